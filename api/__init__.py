@@ -1,0 +1,1 @@
+"""The completions API: OpenAI's shape over HTTP, jobs and results over Redis."""

@@ -1,0 +1,190 @@
+"""The Flask app: OpenAI's completions and chat routes, in front of the Redis queue.
+
+A request's path: validate the body -> find a live worker of the model -> tokenize and check the
+context window -> subscribe to each job's channel, push the jobs -> answer whole or as a stream.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import replace
+from typing import Optional
+
+import redis
+from flask import Flask, Response, jsonify, request
+from werkzeug.exceptions import HTTPException
+
+from api.broker import Broker, Pending
+from api.errors import ApiError, bad_request, unavailable
+from api.openai_format import SSE_DONE, Shape, sse
+from api.tokenizers import TokenizerCache
+from api.validation import CompletionRequest, parse_chat, parse_completion
+from shared.protocol import Failure, Final, Job, TextDelta, WorkerInfo
+from shared.settings import Settings
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+def create_app(settings: Optional[Settings] = None, client: Optional[redis.Redis] = None) -> Flask:
+    settings = settings or Settings.from_env()
+    # Short timeouts: with Redis down, a request must get its 503 in a second or two, not hang.
+    client = client or redis.Redis.from_url(settings.redis_url, socket_connect_timeout=1, socket_timeout=5)
+    broker = Broker(client, settings.heartbeat_ttl_s)
+    tokenizers = TokenizerCache(client)
+    app = Flask(__name__)
+    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
+
+    @app.errorhandler(ApiError)
+    def api_error(exc: ApiError):
+        return exc.response()
+
+    @app.errorhandler(redis.RedisError)
+    def redis_down(exc):
+        return unavailable(f"the job queue (Redis) is not reachable: {exc}").response()
+
+    @app.errorhandler(HTTPException)
+    def http_error(exc: HTTPException):
+        return ApiError(exc.code or 500, exc.description or exc.name).response()
+
+    @app.errorhandler(Exception)
+    def unexpected(exc: Exception):
+        log.exception("unexpected error")
+        return ApiError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+
+    @app.get("/health")
+    def health():
+        client.ping()
+        workers = broker.live_workers()
+        return jsonify({"status": "ok", "workers": len(workers), "models": sorted({w.model for w in workers})})
+
+    @app.get("/v1/models")
+    def models():
+        by_model: dict[str, list[WorkerInfo]] = {}
+        for worker in broker.live_workers():
+            by_model.setdefault(worker.model, []).append(worker)
+        data = [{"id": model, "object": "model", "created": int(min(w.started for w in workers)),
+                 "owned_by": "storyteller", "context_window": workers[0].context_window,
+                 "workers": len(workers)} for model, workers in sorted(by_model.items())]
+        return jsonify({"object": "list", "data": data})
+
+    @app.post("/v1/completions")
+    def completions():
+        return _answer(parse_completion(_json_body()), chat=False)
+
+    @app.post("/v1/chat/completions")
+    def chat_completions():
+        return _answer(parse_chat(_json_body()), chat=True)
+
+    def _answer(req: CompletionRequest, chat: bool):
+        worker = broker.worker_for(req.model)
+        prompts = _tokenize(req, tokenizers.get(worker), chat)
+        request_id = uuid.uuid4().hex[:24]
+        jobs = _jobs(req, prompts, worker, request_id, time.time() + settings.request_timeout)
+        prompt_tokens = sum(len(p) for p in prompts)
+        shape = Shape(request_id, req.model, chat)
+        pending = broker.submit(jobs)
+        if req.stream:
+            return Response(_stream(pending, shape, req.include_usage, prompt_tokens),
+                            mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            return jsonify(shape.whole(_collect(pending), prompt_tokens))
+        finally:
+            pending.close()
+
+    return app
+
+
+def _json_body():
+    body = request.get_json(silent=True)
+    if body is None:
+        raise bad_request("the body is not valid JSON (and Content-Type must be application/json)",
+                          code="invalid_json")
+    return body
+
+
+def _tokenize(req: CompletionRequest, tokenizer, chat: bool) -> list[list[int]]:
+    if chat:
+        try:
+            return [tokenizer.encode_chat(req.messages)]
+        except ValueError as exc:
+            raise bad_request(str(exc), param="messages")
+    prompts = []
+    for prompt in req.prompts:
+        if isinstance(prompt, str):
+            prompts.append(tokenizer.encode(prompt))
+        elif max(prompt) >= tokenizer.vocab_size:
+            raise bad_request(f"token id {max(prompt)} is outside the vocabulary "
+                              f"(size {tokenizer.vocab_size})", param="prompt", code="invalid_value")
+        else:
+            prompts.append(list(prompt))
+    if not all(prompts):
+        raise bad_request("'prompt' must not be empty", param="prompt", code="invalid_value")
+    return prompts
+
+
+def _jobs(req: CompletionRequest, prompts: list[list[int]], worker: WorkerInfo,
+          request_id: str, deadline: float) -> list[Job]:
+    jobs = []
+    for prompt in prompts:
+        room = worker.context_window - len(prompt)
+        if room < 1:
+            raise bad_request(
+                f"this model's maximum context length is {worker.context_window} tokens, and the prompt "
+                f"has {len(prompt)} tokens, which leaves no room to write: shorten the prompt",
+                param="messages" if req.messages else "prompt", code="context_length_exceeded")
+        # As the seed does: max_tokens beyond the room left is cut to the room.
+        max_tokens = min(req.max_tokens or room, room)
+        for choice in range(req.n):
+            seed = None if req.params.seed is None else req.params.seed + choice
+            params = replace(req.params, max_tokens=max_tokens, seed=seed)
+            jobs.append(Job(id=f"{request_id}-{len(jobs)}", model=req.model, prompt_ids=prompt,
+                            params=params, deadline=deadline))
+    return jobs
+
+
+def _collect(pending: Pending) -> list[Final]:
+    finals: list[Optional[Final]] = [None] * len(pending.jobs)
+    for index, result in pending.results():
+        if isinstance(result, Failure):
+            raise _failure_error(result)
+        if isinstance(result, Final):
+            finals[index] = result
+    return finals
+
+
+def _failure_error(failure: Failure) -> ApiError:
+    return ApiError(504 if failure.code == "timeout" else 500, failure.message, code=failure.code)
+
+
+def _stream(pending: Pending, shape: Shape, include_usage: bool, prompt_tokens: int):
+    """Server-sent events: a chunk per piece of text as the worker writes it, then [DONE]."""
+    sent = [""] * len(pending.jobs)
+    finals: list[Optional[Final]] = [None] * len(pending.jobs)
+    try:
+        if shape.chat:
+            for index in range(len(pending.jobs)):
+                yield sse(shape.chunk(index, first=True))
+        for index, result in pending.results():
+            if isinstance(result, TextDelta):
+                sent[index] += result.text
+                yield sse(shape.chunk(index, result.text))
+            elif isinstance(result, Final):
+                finals[index] = result
+                # Text whose messages were missed (read back from the stored answer) comes here.
+                rest = result.text[len(sent[index]):]
+                yield sse(shape.chunk(index, rest or None, finish_reason=result.finish_reason))
+            else:
+                yield sse(_failure_error(result).body())
+                return
+        if include_usage:
+            yield sse(shape.usage_chunk(finals, prompt_tokens))
+        yield SSE_DONE
+    except ApiError as exc:
+        yield sse(exc.body())
+    except redis.RedisError as exc:
+        yield sse(unavailable(f"the job queue (Redis) is not reachable: {exc}").body())
+    finally:  # also when the client went away: its jobs are cancelled
+        pending.close()

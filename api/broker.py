@@ -1,0 +1,116 @@
+"""The API's side of Redis: which workers are alive, and a request's jobs out and results back."""
+from __future__ import annotations
+
+import time
+from typing import Iterator, Optional
+
+import redis
+
+from api.errors import ApiError, unavailable
+from shared import keys
+from shared.protocol import Failure, Final, Job, Result, WorkerInfo, decode_result
+
+POLL_S = 0.25        # how often a waiting request wakes up to look around
+FALLBACK_EVERY_S = 1.0  # how often it reads stored answers and worker liveness
+
+
+class Broker:
+    def __init__(self, client: redis.Redis, heartbeat_ttl_s: float = 3.0):
+        self.redis = client
+        self.heartbeat_ttl_s = heartbeat_ttl_s
+
+    def live_workers(self) -> list[WorkerInfo]:
+        ids = self.redis.hkeys(keys.WORKERS)
+        if not ids:
+            return []
+        beats = self.redis.mget([keys.heartbeat(i.decode()) for i in ids])
+        return [WorkerInfo.from_json(b) for b in beats if b is not None]
+
+    def worker_for(self, model: str) -> WorkerInfo:
+        """A live worker of `model`: 503 if none at all is alive, 404 if none serves this model."""
+        workers = self.live_workers()
+        if not workers:
+            raise unavailable("no worker is running: start one with `python -m worker`")
+        for worker in workers:
+            if worker.model == model:
+                return worker
+        served = sorted({w.model for w in workers})
+        raise ApiError(404, f"the model '{model}' does not exist; served here: {', '.join(served)}",
+                       param="model", code="model_not_found")
+
+    def submit(self, jobs: list[Job]) -> "Pending":
+        return Pending(self, jobs)
+
+
+class Pending:
+    """A request's jobs in flight. Subscribes to their channels first, then pushes them."""
+
+    def __init__(self, broker: Broker, jobs: list[Job]):
+        self.broker = broker
+        self.jobs = jobs
+        self._index = {keys.channel(j.id).encode(): i for i, j in enumerate(jobs)}
+        self._open = set(range(len(jobs)))
+        self._pubsub = broker.redis.pubsub()
+        try:
+            self._subscribe()
+            broker.redis.rpush(keys.queue(jobs[0].model), *[j.to_json() for j in jobs])
+        except Exception:
+            self._pubsub.close()
+            raise
+
+    def _subscribe(self) -> None:
+        # Pub/sub drops messages nobody listens for: wait until Redis confirms every subscription.
+        self._pubsub.subscribe(*self._index)
+        confirmed, give_up = 0, time.monotonic() + 2.0
+        while confirmed < len(self._index):
+            message = self._pubsub.get_message(timeout=max(0.0, give_up - time.monotonic()))
+            if message is None and time.monotonic() >= give_up:
+                raise unavailable("Redis did not confirm the subscription in time")
+            if message and message["type"] == "subscribe":
+                confirmed += 1
+
+    def results(self) -> Iterator[tuple[int, Result]]:
+        """(choice index, result) as they come, until every job has its Final or Failure."""
+        model, deadline = self.jobs[0].model, self.jobs[0].deadline
+        next_look, alone_since = time.monotonic() + FALLBACK_EVERY_S, None
+        while self._open:
+            message = self._pubsub.get_message(ignore_subscribe_messages=True, timeout=POLL_S)
+            if message and message["type"] == "message":
+                yield from self._take(self._index[message["channel"]], decode_result(message["data"]))
+            if time.monotonic() < next_look:
+                continue
+            next_look = time.monotonic() + FALLBACK_EVERY_S
+            yield from self._read_stored_answers()
+            if time.time() > deadline:
+                raise ApiError(504, "the request timed out before its answer was written", code="timeout")
+            if any(w.model == model for w in self.broker.live_workers()):
+                alone_since = None
+            elif alone_since is None:
+                alone_since = time.monotonic()
+            elif time.monotonic() - alone_since > self.broker.heartbeat_ttl_s:
+                raise unavailable(f"no worker is serving {model} any more")
+
+    def _take(self, index: int, result: Result) -> Iterator[tuple[int, Result]]:
+        if index not in self._open:
+            return  # already answered, from the stored copy
+        if isinstance(result, (Final, Failure)):
+            self._open.discard(index)
+        yield index, result
+
+    def _read_stored_answers(self) -> Iterator[tuple[int, Result]]:
+        open_ids = sorted(self._open)
+        stored = self.broker.redis.mget([keys.answer(self.jobs[i].id) for i in open_ids])
+        for index, raw in zip(open_ids, stored):
+            if raw is not None:
+                yield from self._take(index, decode_result(raw))
+
+    def close(self) -> None:
+        """Unsubscribe; jobs still open (client gone, timeout) are cancelled so no worker decodes them."""
+        try:
+            if self._open:
+                pipe = self.broker.redis.pipeline(transaction=False)
+                for i in self._open:
+                    pipe.set(keys.cancel(self.jobs[i].id), 1, ex=max(60, int(self.jobs[i].deadline - time.time())))
+                pipe.execute()
+        finally:
+            self._pubsub.close()

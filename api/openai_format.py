@@ -1,0 +1,62 @@
+"""The bodies OpenAI's API answers with, for completions and chat, whole or streamed."""
+from __future__ import annotations
+
+import json
+import time
+from typing import Optional
+
+from shared.protocol import Final
+
+
+class Shape:
+    """Builds one request's answer bodies; `chat` picks chat.completion over text_completion."""
+
+    def __init__(self, request_id: str, model: str, chat: bool):
+        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
+        self.model = model
+        self.chat = chat
+        self.created = int(time.time())
+
+    def _envelope(self, object_name: str, choices: list, usage_body: Optional[dict] = None) -> dict:
+        body = {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
+                "choices": choices}
+        if usage_body is not None:
+            body["usage"] = usage_body
+        return body
+
+    def whole(self, finals: list[Final], prompt_tokens: int) -> dict:
+        if self.chat:
+            choices = [{"index": i, "message": {"role": "assistant", "content": f.text},
+                        "logprobs": None, "finish_reason": f.finish_reason} for i, f in enumerate(finals)]
+            return self._envelope("chat.completion", choices, usage(prompt_tokens, finals))
+        choices = [{"text": f.text, "index": i, "logprobs": None, "finish_reason": f.finish_reason}
+                   for i, f in enumerate(finals)]
+        return self._envelope("text_completion", choices, usage(prompt_tokens, finals))
+
+    def chunk(self, index: int, text: Optional[str] = None, finish_reason: Optional[str] = None,
+              first: bool = False) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if first else {}
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            return self._envelope("chat.completion.chunk", [choice])
+        choice = {"text": text or "", "index": index, "logprobs": None, "finish_reason": finish_reason}
+        return self._envelope("text_completion", [choice])
+
+    def usage_chunk(self, finals: list[Final], prompt_tokens: int) -> dict:
+        name = "chat.completion.chunk" if self.chat else "text_completion"
+        return self._envelope(name, [], usage(prompt_tokens, finals))
+
+
+def usage(prompt: int, finals: list[Final]) -> dict:
+    """`prompt` counts each prompt once, however many choices (n) were written from it."""
+    completion = sum(f.completion_tokens for f in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"

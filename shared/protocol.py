@@ -1,0 +1,107 @@
+"""The messages that cross Redis: jobs (API -> worker), results (worker -> API), worker announcements.
+
+Everything is JSON, never pickle: any process, in any language, can read the queue.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Optional, Union
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k cut
+    seed: Optional[int] = None  # same seed, same text
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False  # keep writing past end-of-text (benchmarks that need equal work)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass
+class Job:
+    """One choice to write: a prompt already tokenized by the API, and how to sample it."""
+    id: str
+    model: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    deadline: float  # unix time after which nobody waits for the answer
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: Union[str, bytes]) -> "Job":
+        data = json.loads(raw)
+        data["params"] = SamplingParams(**data["params"])
+        return cls(**data)
+
+
+# Results, published on the job's channel. `type` tells them apart.
+
+@dataclass
+class TextDelta:
+    """Text written since the last message (may be several tokens' worth)."""
+    text: str
+    completion_tokens: int
+    type: str = "text"
+
+
+@dataclass
+class Final:
+    """The whole answer; the last message of a job."""
+    text: str
+    finish_reason: str  # "stop" | "length"
+    prompt_tokens: int
+    completion_tokens: int
+    type: str = "final"
+
+
+@dataclass
+class Failure:
+    """The job could not be written; also a last message."""
+    message: str
+    code: str = "worker_error"
+    type: str = "error"
+
+
+Result = Union[TextDelta, Final, Failure]
+_RESULT_TYPES = {"text": TextDelta, "final": Final, "error": Failure}
+
+
+def encode_result(result: Result) -> str:
+    return json.dumps(asdict(result), separators=(",", ":"))
+
+
+def decode_result(raw: Union[str, bytes]) -> Result:
+    data = json.loads(raw)
+    return _RESULT_TYPES[data["type"]](**data)
+
+
+@dataclass
+class WorkerInfo:
+    """What a worker announces in its heartbeat, so the API knows which models are served."""
+    id: str
+    model: str
+    context_window: int
+    engine: str
+    batch: int
+    device: str
+    dtype: str
+    tokenizer_digest: str  # changes when the tokenizer stored in Redis changes
+    pid: int
+    host: str
+    started: float
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: Union[str, bytes]) -> "WorkerInfo":
+        return cls(**json.loads(raw))

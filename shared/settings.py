@@ -1,0 +1,73 @@
+"""All settings, in one dataclass, read from the environment and then from command-line flags.
+
+Each field's environment variable is its name in capitals (`redis_url` -> REDIS_URL) and its flag is
+its name with dashes (`--redis-url`), unless the field says otherwise. Flags win over the environment,
+which wins over the defaults; the defaults run everything on one machine.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field, fields, replace
+from typing import Optional, Sequence
+
+
+def _setting(default, help: str, flag: Optional[str] = None, env: Optional[str] = None):
+    return field(default=default, metadata={"help": help, "flag": flag, "env": env})
+
+
+@dataclass(frozen=True)
+class Settings:
+    redis_url: str = _setting("redis://127.0.0.1:6379/0", "Redis that carries jobs and results")
+
+    # The API
+    host: str = _setting("127.0.0.1", "address the API listens on (0.0.0.0 in a container)")
+    port: int = _setting(8000, "port the API listens on")
+    threads: int = _setting(256, "threads per API process: one per waiting player")
+    api_workers: int = _setting(1, "API processes under gunicorn")
+    request_timeout: float = _setting(300.0, "seconds a request may wait for its answer")
+
+    # The worker
+    model: str = _setting("smollm2", "'smollm2' (the packaged SmolLM2-135M-Instruct) or a local "
+                                     "Hugging Face causal-LM directory")
+    model_name: str = _setting("", "name clients use for the model (default: from --model)")
+    batch: int = _setting(16, "most requests decoded together")
+    wait_ms: float = _setting(5.0, "ms to wait for a batch to fill after its first request",
+                              flag="--wait", env="WAIT_MS")
+    dtype: str = _setting("auto", "auto | float32 | bfloat16 | float16 (auto: bfloat16 where "
+                                  "the hardware supports it)")
+    device: str = _setting("auto", "auto | cpu | cuda")
+    heartbeat_s: float = _setting(1.0, "seconds between worker heartbeats")
+    heartbeat_ttl_s: float = _setting(3.0, "seconds without a heartbeat after which a worker is dead")
+    answer_ttl_s: int = _setting(300, "seconds a final answer stays readable in Redis")
+
+    @classmethod
+    def from_env(cls, environ=os.environ) -> "Settings":
+        values = {}
+        for f in fields(cls):
+            raw = environ.get(_env_name(f))
+            if raw not in (None, ""):
+                values[f.name] = type(f.default)(raw)
+        return cls(**values)
+
+    @classmethod
+    def parse(cls, argv: Optional[Sequence[str]], flags: Sequence[str], description: str) -> "Settings":
+        """Settings from the environment, overridden by the given flags (named by field)."""
+        base = cls.from_env()
+        parser = argparse.ArgumentParser(description=description)
+        by_name = {f.name: f for f in fields(cls)}
+        for name in flags:
+            f = by_name[name]
+            parser.add_argument(_flag_name(f), dest=name, type=type(f.default), default=None,
+                                help=f"{f.metadata['help']} (env {_env_name(f)}, "
+                                     f"default {getattr(base, name)!r})")
+        given = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
+        return replace(base, **given)
+
+
+def _env_name(f) -> str:
+    return f.metadata.get("env") or f.name.upper()
+
+
+def _flag_name(f) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")

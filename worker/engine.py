@@ -1,0 +1,36 @@
+"""What the worker's queue loop needs from an engine: tensors in, tokens out, nothing about Redis.
+
+The loop asks `free_slots()`, hands over that many jobs with `add()`, then calls `step()` until
+`busy` is false. A static engine offers slots only when idle; a continuous one offers them every
+step. Either way the queue code stays the same.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+from shared.protocol import Job
+from worker.sequence import Sequence
+
+
+class Engine(Protocol):
+    name: str
+    capacity: int  # most sequences held at once
+
+    @property
+    def busy(self) -> bool: ...
+
+    def free_slots(self) -> int: ...
+
+    def add(self, job: Job) -> Sequence: ...
+
+    def step(self) -> list[Sequence]:
+        """Decode one token for every running sequence; return those that changed."""
+        ...
+
+    def cancel(self, job_id: str) -> None: ...
+
+    def sequences(self) -> list[Sequence]: ...
+
+    def reset(self) -> list[Sequence]:
+        """Drop everything (after an error); return what was dropped."""
+        ...

@@ -1,0 +1,148 @@
+"""The worker's side of Redis: take jobs reliably, publish results, heartbeat, recover dead workers.
+
+Jobs move with BLMOVE from the model's queue into this worker's own processing list, and leave it
+only once their answer is published; a worker that dies leaves its jobs there for another worker
+to put back (`requeue_dead_workers`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Iterable
+
+import redis
+
+from shared import keys
+from shared.protocol import Failure, Job, WorkerInfo, encode_result
+from worker.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+FINISHED_NORMALLY = ("stop", "length")
+
+
+class JobQueue:
+    def __init__(self, client: redis.Redis, worker_id: str, model: str, answer_ttl_s: int = 300):
+        self.redis = client
+        self.worker_id = worker_id
+        self.model = model
+        self.answer_ttl_s = answer_ttl_s
+        self._queue = keys.queue(model)
+        self._processing = keys.processing(worker_id)
+        self._raw: dict[str, bytes] = {}  # job id -> its exact JSON, which LREM needs
+
+    # Taking jobs
+
+    def take(self, limit: int, wait_s: float, block_s: float) -> list[Job]:
+        """Up to `limit` jobs: wait up to `block_s` for the first, then `wait_s` more for the rest."""
+        if limit <= 0:
+            return []
+        if block_s > 0:
+            first = self.redis.blmove(self._queue, self._processing, block_s, "LEFT", "RIGHT")
+        else:
+            first = self.redis.lmove(self._queue, self._processing, "LEFT", "RIGHT")
+        if first is None:
+            return []
+        raws = [first]
+        deadline = time.monotonic() + wait_s
+        while len(raws) < limit:
+            # Whatever is queued already comes in one round trip.
+            pipe = self.redis.pipeline(transaction=False)
+            for _ in range(limit - len(raws)):
+                pipe.lmove(self._queue, self._processing, "LEFT", "RIGHT")
+            got = [raw for raw in pipe.execute() if raw is not None]
+            raws += got
+            left = deadline - time.monotonic()
+            if len(raws) >= limit or left < 0.001:
+                break
+            if not got:  # queue empty: wait for the next arrival, but only until the deadline
+                raw = self.redis.blmove(self._queue, self._processing, left, "LEFT", "RIGHT")
+                if raw is None:
+                    break
+                raws.append(raw)
+        return [job for job in map(self._parse, raws) if job is not None]
+
+    def _parse(self, raw: bytes):
+        try:
+            job = Job.from_json(raw)
+        except (ValueError, TypeError, KeyError) as exc:
+            log.error("dropping a malformed job %r: %s", raw[:200], exc)
+            self.redis.lrem(self._processing, 1, raw)
+            return None
+        self._raw[job.id] = raw
+        return job
+
+    # Results
+
+    def publish(self, seqs: Iterable[Sequence]) -> None:
+        """New text of each sequence; for finished ones the final answer, and the job is done."""
+        pipe = self.redis.pipeline(transaction=False)
+        for seq in seqs:
+            delta = seq.delta()
+            if delta is not None:
+                pipe.publish(keys.channel(seq.id), encode_result(delta))
+            if seq.finished:
+                if seq.finish_reason in FINISHED_NORMALLY:
+                    self._send_last(pipe, seq.id, encode_result(seq.final()))
+                self._done(pipe, seq.id)
+        pipe.execute()
+
+    def fail(self, job_ids: Iterable[str], message: str, code: str = "worker_error") -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            self._send_last(pipe, job_id, encode_result(Failure(message=message, code=code)))
+            self._done(pipe, job_id)
+        pipe.execute()
+
+    def _send_last(self, pipe, job_id: str, message: str) -> None:
+        # Stored before it is published, so a subscriber that missed the message can still read it.
+        pipe.set(keys.answer(job_id), message, ex=self.answer_ttl_s)
+        pipe.publish(keys.channel(job_id), message)
+
+    def _done(self, pipe, job_id: str) -> None:
+        raw = self._raw.pop(job_id, None)
+        if raw is not None:
+            pipe.lrem(self._processing, 1, raw)
+
+    def cancelled(self, job_ids: list[str]) -> set[str]:
+        """Jobs whose client went away."""
+        if not job_ids:
+            return set()
+        flags = self.redis.mget([keys.cancel(j) for j in job_ids])
+        return {j for j, flag in zip(job_ids, flags) if flag is not None}
+
+    # Liveness
+
+    def heartbeat(self, info: WorkerInfo, ttl_s: float) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(keys.WORKERS, self.worker_id, self.model)
+        pipe.set(keys.heartbeat(self.worker_id), info.to_json(), px=int(ttl_s * 1000))
+        pipe.execute()
+
+    def store_tokenizer(self, files: dict[str, bytes]) -> None:
+        pipe = self.redis.pipeline()
+        pipe.delete(keys.tokenizer(self.model))
+        pipe.hset(keys.tokenizer(self.model), mapping=files)
+        pipe.execute()
+
+    def leave(self) -> None:
+        """A clean exit: nothing left in processing, so just disappear."""
+        self.redis.delete(keys.heartbeat(self.worker_id))
+        if not self.redis.llen(self._processing):
+            self.redis.hdel(keys.WORKERS, self.worker_id)
+
+    def requeue_dead_workers(self) -> int:
+        """Put the jobs of workers without a heartbeat back at the front of their queues."""
+        moved = 0
+        for worker_id, model in self.redis.hgetall(keys.WORKERS).items():
+            worker_id, model = worker_id.decode(), model.decode()
+            if self.redis.exists(keys.heartbeat(worker_id)):
+                continue
+            # Newest first onto the head of the queue, so the oldest job ends up first in line.
+            while self.redis.lmove(keys.processing(worker_id), keys.queue(model), "RIGHT", "LEFT"):
+                moved += 1
+            self.redis.hdel(keys.WORKERS, worker_id)
+            if moved:
+                log.warning("worker %s is gone: %d job(s) back in the queue", worker_id, moved)
+        return moved

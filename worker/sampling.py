@@ -1,0 +1,57 @@
+"""Pick each row's next token under its own temperature, top-k, top-p and random generator."""
+from __future__ import annotations
+
+import torch
+
+from shared.protocol import SamplingParams
+
+
+def new_generator(seed) -> torch.Generator:
+    """A generator per request, so a seeded request writes the same text whatever shares its batch."""
+    g = torch.Generator()
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed)
+    return g
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
+    """logits: [rows, vocab]. Returns one token id per row."""
+    picks = logits.argmax(dim=-1).tolist()
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if not sampled:
+        return picks
+
+    rows = logits[sampled].float()
+    temperature = torch.tensor([params[i].temperature for i in sampled], device=rows.device)
+    rows = rows / temperature[:, None]
+    rows = _top_k(rows, [params[i].top_k for i in sampled])
+    rows = _top_p(rows, [params[i].top_p for i in sampled])
+    probs = torch.softmax(rows, dim=-1).cpu()  # the generators live on the CPU
+    for row, i in enumerate(sampled):
+        picks[i] = int(torch.multinomial(probs[row], 1, generator=generators[i]))
+    return picks
+
+
+def _top_k(rows: torch.Tensor, ks: list[int]) -> torch.Tensor:
+    if not any(k > 0 for k in ks):
+        return rows
+    vocab = rows.shape[-1]
+    ks = torch.tensor([k if 0 < k < vocab else vocab for k in ks], device=rows.device)
+    # Each row keeps its own k-th largest logit, taken from the largest k of the batch.
+    largest = torch.topk(rows, int(ks.max()), dim=-1).values
+    kth = largest.gather(-1, (ks - 1)[:, None])
+    return rows.masked_fill(rows < kth, float("-inf"))
+
+
+def _top_p(rows: torch.Tensor, ps: list[float]) -> torch.Tensor:
+    if all(p >= 1.0 for p in ps):
+        return rows
+    top_p = torch.tensor(ps, device=rows.device)[:, None]
+    sorted_logits, order = torch.sort(rows, dim=-1, descending=True)
+    cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+    # Drop a token once the tokens before it already hold top_p of the mass; the first always stays.
+    drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= top_p
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return rows.masked_fill(drop, float("-inf"))

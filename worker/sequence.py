@@ -1,0 +1,91 @@
+"""One request inside an engine: its tokens, its text so far, and why it stopped."""
+from __future__ import annotations
+
+from typing import Optional
+
+from shared.protocol import Final, Job, TextDelta
+from worker.sampling import new_generator
+
+# Prompt tokens decoded in front of the first new token, so that tokenizers which drop a leading
+# space at the start of a decode (SentencePiece) still produce the right first word.
+_CONTEXT_TOKENS = 4
+
+
+class Sequence:
+    def __init__(self, job: Job, tokenizer, eos_ids: frozenset[int]):
+        self.job = job
+        self.params = job.params
+        self.prompt_ids = list(job.prompt_ids)
+        self.output_ids: list[int] = []
+        self.generator = new_generator(job.params.seed)
+        self.finish_reason: Optional[str] = None
+        self._tokenizer = tokenizer
+        self._eos_ids = frozenset() if job.params.ignore_eos else eos_ids
+        # Incremental detokenization: decode a short window, keep only what is new and complete.
+        self._window = self.prompt_ids[-_CONTEXT_TOKENS:]
+        self._prefix_offset = 0
+        self._read_offset = len(self._window)
+        self.text = ""  # all text written so far (cut at a stop string)
+        self._sent = 0  # how much of `text` has been published
+
+    @property
+    def id(self) -> str:
+        return self.job.id
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, token: int) -> None:
+        """Take the next token, then decide whether the sequence is finished."""
+        if token in self._eos_ids:
+            self.finish_reason = "stop"
+            return
+        self.output_ids.append(token)
+        self._window.append(token)
+        self.text += self._decode_new()
+        if self._cut_at_stop_string():
+            self.finish_reason = "stop"
+        elif len(self.output_ids) >= self.params.max_tokens:
+            self.finish_reason = "length"
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        self.finish_reason = reason
+
+    def delta(self) -> Optional[TextDelta]:
+        """Text not published yet, holding back a tail that may be the start of a stop string."""
+        end = len(self.text) if self.finished else len(self.text) - self._stop_prefix_len()
+        if end <= self._sent:
+            return None
+        piece, self._sent = self.text[self._sent:end], end
+        return TextDelta(text=piece, completion_tokens=len(self.output_ids))
+
+    def final(self) -> Final:
+        return Final(text=self.text, finish_reason=self.finish_reason,
+                     prompt_tokens=len(self.prompt_ids), completion_tokens=len(self.output_ids))
+
+    def _decode_new(self) -> str:
+        decode = lambda ids: self._tokenizer.decode(ids, skip_special_tokens=True)
+        before = decode(self._window[self._prefix_offset:self._read_offset])
+        after = decode(self._window[self._prefix_offset:])
+        # A token that ends inside a multi-byte character decodes to U+FFFD: wait for the rest.
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._window)
+        return after[len(before):]
+
+    def _cut_at_stop_string(self) -> bool:
+        found = [i for i in (self.text.find(s) for s in self.params.stop) if i >= 0]
+        if found:
+            self.text = self.text[:min(found)]
+        return bool(found)
+
+    def _stop_prefix_len(self) -> int:
+        """Length of the longest tail of `text` that could still grow into a stop string."""
+        longest = 0
+        for stop in self.params.stop:
+            for n in range(min(len(stop) - 1, len(self.text)), longest, -1):
+                if stop.startswith(self.text[-n:]):
+                    longest = n
+                    break
+        return longest

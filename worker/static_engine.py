@@ -1,0 +1,130 @@
+"""Static batching, as in the seed: the batch is formed once, then decoded until its last row ends.
+
+Prompts of different lengths share one tensor: left padding puts every prompt's end in the last
+column, the attention mask hides the pads, and each row's position ids count its own tokens only.
+A finished row leaves the batch at once (its cache rows are dropped), but no new row joins until
+the whole batch is done; that is what a continuous engine adds.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from transformers import DynamicCache
+
+from shared.protocol import Job
+from worker.model_loader import LoadedModel
+from worker.sampling import sample
+from worker.sequence import Sequence
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and attention mask, each [rows, longest prompt], pads on the left."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+        mask[row, width - len(prompt):] = 1
+    return ids, mask
+
+
+def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Each token's position among its row's real tokens; pads get 0 (they are masked anyway)."""
+    return (mask.cumsum(dim=-1) - 1).clamp(min=0)
+
+
+class StaticEngine:
+    name = "static"
+
+    def __init__(self, loaded: LoadedModel, capacity: int):
+        self.loaded = loaded
+        self.capacity = capacity
+        self._waiting: list[Sequence] = []   # added, not yet prefilled
+        self._running: list[Sequence] = []   # one per row of the cache, in row order
+        self._cache: Optional[DynamicCache] = None
+        self._mask: Optional[torch.Tensor] = None
+        self._last: Optional[torch.Tensor] = None  # each row's newest token, [rows, 1]
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def free_slots(self) -> int:
+        return 0 if self._running else self.capacity - len(self._waiting)
+
+    def add(self, job: Job) -> Sequence:
+        if self.free_slots() <= 0:
+            raise RuntimeError("static engine: no room until the running batch ends")
+        seq = Sequence(job, self.loaded.tokenizer, self.loaded.eos_ids)
+        self._waiting.append(seq)
+        return seq
+
+    def sequences(self) -> list[Sequence]:
+        return self._waiting + self._running
+
+    def cancel(self, job_id: str) -> None:
+        for seq in self.sequences():
+            if seq.id == job_id and not seq.finished:
+                seq.cancel()
+
+    def reset(self) -> list[Sequence]:
+        dropped = self.sequences()
+        self._waiting = []
+        self._clear_running()
+        return dropped
+
+    @torch.inference_mode()
+    def step(self) -> list[Sequence]:
+        self._drop_finished()
+        logits = self._decode() if self._running else self._prefill() if self._waiting else None
+        if logits is None:
+            return []
+        seqs = self._running
+        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        for seq, token in zip(seqs, tokens):
+            if not seq.finished:  # cancelled while this step ran
+                seq.append(token)
+        self._last = torch.tensor(tokens, device=self.loaded.device)[:, None]
+        changed = list(seqs)
+        self._drop_finished()
+        return changed
+
+    def _prefill(self) -> Optional[torch.Tensor]:
+        self._running, self._waiting = [s for s in self._waiting if not s.finished], []
+        if not self._running:
+            return None
+        ids, mask = left_pad([s.prompt_ids for s in self._running], self.loaded.pad_id)
+        dev = self.loaded.device
+        self._cache = DynamicCache()
+        self._mask = mask.to(dev)
+        out = self.loaded.model(input_ids=ids.to(dev), attention_mask=self._mask,
+                                position_ids=positions_from_mask(self._mask),
+                                past_key_values=self._cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1, :]
+
+    def _decode(self) -> torch.Tensor:
+        ones = torch.ones((self._mask.shape[0], 1), dtype=self._mask.dtype, device=self._mask.device)
+        self._mask = torch.cat([self._mask, ones], dim=-1)
+        out = self.loaded.model(input_ids=self._last, attention_mask=self._mask,
+                                position_ids=positions_from_mask(self._mask)[:, -1:],
+                                past_key_values=self._cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1, :]
+
+    def _drop_finished(self) -> None:
+        """Remove finished rows from the batch, its cache and its mask, so they cost nothing more."""
+        keep = [i for i, s in enumerate(self._running) if not s.finished]
+        if len(keep) == len(self._running):
+            return
+        if not keep:
+            self._clear_running()
+            return
+        index = torch.tensor(keep, device=self.loaded.device)
+        self._cache.batch_select_indices(index)
+        self._mask = self._mask[index]
+        self._last = self._last[index]
+        self._running = [self._running[i] for i in keep]
+
+    def _clear_running(self) -> None:
+        self._running = []
+        self._cache = self._mask = self._last = None

@@ -1,0 +1,88 @@
+"""The worker's loop: take jobs when the engine has room, step the engine, publish what it wrote.
+
+It knows Redis only through JobQueue and the model only through an Engine.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+
+from shared.protocol import WorkerInfo
+from shared.settings import Settings
+from worker.engine import Engine
+from worker.job_queue import JobQueue
+
+log = logging.getLogger(__name__)
+
+IDLE_BLOCK_S = 0.5  # how long an idle worker blocks on the queue before it looks at its flags again
+
+
+class Worker:
+    def __init__(self, queue: JobQueue, engine: Engine, info: WorkerInfo, settings: Settings):
+        self.queue = queue
+        self.engine = engine
+        self.info = info
+        self.settings = settings
+        self.stopping = threading.Event()  # set by SIGTERM: finish what we hold, take no more
+        self._left = threading.Event()  # the loop has ended: the heartbeat must stop too
+        self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
+
+    def install_signal_handlers(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stop())
+
+    def stop(self) -> None:
+        if not self.stopping.is_set():
+            log.info("stopping: finishing %d request(s), taking no more", len(self.engine.sequences()))
+        self.stopping.set()
+
+    def run(self) -> None:
+        self.queue.heartbeat(self.info, self.settings.heartbeat_ttl_s)
+        self._heartbeat.start()
+        try:
+            while not (self.stopping.is_set() and not self.engine.busy):
+                self._admit()
+                if self.engine.busy:
+                    self._step()
+        finally:
+            self._left.set()
+            self._heartbeat.join()
+            self.queue.leave()
+            log.info("worker %s stopped", self.info.id)
+
+    def _admit(self) -> None:
+        room = 0 if self.stopping.is_set() else self.engine.free_slots()
+        if not room:
+            return
+        block = 0 if self.engine.busy else IDLE_BLOCK_S
+        now = time.time()
+        for job in self.queue.take(room, self.settings.wait_ms / 1000, block):
+            if job.deadline < now:  # nobody is waiting for it any more
+                self.queue.fail([job.id], "the request's deadline passed before it was decoded", "timeout")
+            else:
+                self.engine.add(job)
+
+    def _step(self) -> None:
+        held = self.engine.sequences()
+        gone = self.queue.cancelled([s.id for s in held])
+        now = time.time()
+        for seq in held:
+            if seq.id in gone or seq.job.deadline < now:
+                seq.cancel()
+        try:
+            changed = self.engine.step()
+        except Exception as exc:  # a bad batch must not take the worker down, nor leave clients waiting
+            log.exception("engine step failed")
+            self.queue.fail([s.id for s in self.engine.reset()], f"the worker failed: {exc}")
+            return
+        self.queue.publish(changed + [s for s in held if s.finished and s not in changed])
+
+    def _beat(self) -> None:
+        while not self._left.wait(self.settings.heartbeat_s):
+            try:
+                self.queue.heartbeat(self.info, self.settings.heartbeat_ttl_s)
+                self.queue.requeue_dead_workers()
+            except Exception:  # Redis away for a moment: keep trying, the loop reports its own errors
+                log.exception("heartbeat failed")
