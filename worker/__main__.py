@@ -1,11 +1,9 @@
 """python -m worker: load the model once, then serve its queue until SIGTERM."""
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import socket
-import tempfile
 import time
 import uuid
 
@@ -21,13 +19,6 @@ from worker.worker import Worker
 FLAGS = ["redis_url", "model", "model_name", "batch", "wait_ms", "dtype", "device"]
 
 
-def tokenizer_files(tokenizer) -> dict[str, bytes]:
-    """The tokenizer as files, to store in Redis: the API counts and templates with it."""
-    with tempfile.TemporaryDirectory() as tmp:
-        tokenizer.save_pretrained(tmp)
-        return {name: open(os.path.join(tmp, name), "rb").read() for name in sorted(os.listdir(tmp))}
-
-
 def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     settings = Settings.parse(argv, FLAGS, "Storyteller model worker")
@@ -37,7 +28,7 @@ def main(argv=None) -> None:
     client.ping()  # fail now, with a clear error, rather than after loading the model
 
     loaded = model_loader.load(settings.model, settings.model_name, settings.dtype, settings.device)
-    files = tokenizer_files(loaded.tokenizer)
+    files = model_loader.tokenizer_files(loaded.tokenizer)
     worker_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     queue = JobQueue(client, worker_id, loaded.name, settings.answer_ttl_s)
     queue.store_tokenizer(files)
@@ -45,7 +36,7 @@ def main(argv=None) -> None:
     info = WorkerInfo(
         id=worker_id, model=loaded.name, context_window=loaded.context_window, engine=engine.name,
         batch=settings.batch, device=str(loaded.device), dtype=str(loaded.dtype).removeprefix("torch."),
-        tokenizer_digest=hashlib.sha256(b"".join(files.values())).hexdigest()[:16],
+        tokenizer_digest=model_loader.digest(files),
         pid=os.getpid(), host=socket.gethostname(), started=time.time())
     worker = Worker(queue, engine, info, settings)
     worker.install_signal_handlers()

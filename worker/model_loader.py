@@ -5,9 +5,11 @@ anything else must be a local Hugging Face model directory.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import logging
 import os
+import tempfile
 from dataclasses import dataclass
 
 import torch
@@ -115,3 +117,18 @@ def _context_window(model) -> int:
         if getattr(config, attr, None):
             return int(getattr(config, attr))
     raise SystemExit("cannot tell the model's context window from its config")
+
+
+def tokenizer_files(tokenizer) -> dict[str, bytes]:
+    """The tokenizer as files, to store in Redis: the API counts and templates prompts with it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        files = {}
+        for name in sorted(os.listdir(tmp)):
+            with open(os.path.join(tmp, name), "rb") as f:
+                files[name] = f.read()
+        return files
+
+
+def digest(files: dict[str, bytes]) -> str:
+    return hashlib.sha256(b"".join(files[name] for name in sorted(files))).hexdigest()[:16]

@@ -1,0 +1,82 @@
+"""Shared fixtures: tiny model directories, fakeredis for unit tests, a private redis-server."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+
+import fakeredis
+import pytest
+import redis
+
+from tests.tiny_models import save_tiny
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("models")
+    return {kind: save_tiny(kind, str(root / f"tiny-{kind}")) for kind in ("gpt2", "llama")}
+
+
+@pytest.fixture
+def fake_redis():
+    return fakeredis.FakeRedis()
+
+
+class RedisServer:
+    """A private redis-server on a free port, which a test may stop and start again."""
+
+    def __init__(self, directory: str):
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.directory = directory
+        self.process = None
+
+    def start(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            pytest.fail("redis-server is not installed (the test command installs it: see .ci/run)")
+        self.process = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", self.directory], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port)
+        for _ in range(100):
+            try:
+                client.ping()
+                return
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self) -> None:
+        if self.process:
+            self.process.terminate()
+            self.process.wait(10)
+            self.process = None
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.url)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    server = RedisServer(str(tmp_path_factory.mktemp("redis")))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def real_redis(redis_server):
+    client = redis_server.client()
+    client.flushdb()
+    yield client
+    client.flushdb()

@@ -1,0 +1,124 @@
+"""The worker's Redis side: the batching rule, reliable pops, results, dead workers.
+
+Each test runs on fakeredis and on a real redis-server, except where fakeredis falls short.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from shared import keys
+from shared.protocol import Final, Job, SamplingParams, WorkerInfo, decode_result
+from tests.tiny_models import tiny_tokenizer
+from worker.job_queue import JobQueue
+from worker.sequence import Sequence
+
+MODEL = "m"
+
+
+@pytest.fixture(params=["fakeredis", "redis-server"])
+def client(request):
+    return request.getfixturevalue("fake_redis" if request.param == "fakeredis" else "real_redis")
+
+
+def _job(i: int) -> Job:
+    return Job(id=f"job-{i}", model=MODEL, prompt_ids=[5, 6, 7], params=SamplingParams(max_tokens=2),
+               deadline=time.time() + 60)
+
+
+def _push(client, *ids: int) -> None:
+    client.rpush(keys.queue(MODEL), *[_job(i).to_json() for i in ids])
+
+
+def test_a_batch_takes_at_most_its_size_in_queue_order(client):
+    queue = JobQueue(client, "w1", MODEL)
+    _push(client, *range(20))
+    taken = queue.take(limit=16, wait_s=0.005, block_s=1)
+    assert [j.id for j in taken] == [f"job-{i}" for i in range(16)]
+    assert client.llen(keys.queue(MODEL)) == 4
+    # Reliable pop: what was taken sits in this worker's processing list until it is answered.
+    assert client.llen(keys.processing("w1")) == 16
+
+
+# The blocking tests use a real Redis only: fakeredis 2.40's BLMOVE does not block for a fractional
+# timeout, and never wakes up for a push made while it waits (it retries the empty list it saw first).
+
+def test_a_batch_waits_for_late_arrivals_only_until_the_deadline(real_redis):
+    client = real_redis
+    queue = JobQueue(client, "w1", MODEL)
+    _push(client, 0)
+    # One arrives 20 ms after the first (inside a 150 ms wait), another after 400 ms (outside it).
+    threading.Timer(0.02, _push, (client, 1)).start()
+    threading.Timer(0.4, _push, (client, 2)).start()
+    started = time.monotonic()
+    taken = queue.take(limit=16, wait_s=0.15, block_s=1)
+    waited = time.monotonic() - started
+    assert [j.id for j in taken] == ["job-0", "job-1"]
+    assert 0.1 <= waited < 0.4
+    time.sleep(0.45)
+    assert [j.id for j in queue.take(limit=16, wait_s=0, block_s=1)] == ["job-2"]
+
+
+def test_a_full_batch_does_not_wait(client):
+    queue = JobQueue(client, "w1", MODEL)
+    _push(client, *range(4))
+    started = time.monotonic()
+    assert len(queue.take(limit=4, wait_s=5.0, block_s=1)) == 4
+    assert time.monotonic() - started < 1.0
+
+
+def test_an_empty_queue_gives_nothing_after_blocking(real_redis):
+    client = real_redis
+    queue = JobQueue(client, "w1", MODEL)
+    assert queue.take(limit=4, wait_s=0.005, block_s=0) == []
+    started = time.monotonic()
+    assert queue.take(limit=4, wait_s=0.005, block_s=0.2) == []
+    assert time.monotonic() - started >= 0.15
+
+
+def test_a_malformed_job_is_dropped_not_retried_forever(client):
+    queue = JobQueue(client, "w1", MODEL)
+    client.rpush(keys.queue(MODEL), b"{not json")
+    _push(client, 1)
+    assert [j.id for j in queue.take(limit=4, wait_s=0, block_s=1)] == ["job-1"]
+    assert [Job.from_json(r).id for r in client.lrange(keys.processing("w1"), 0, -1)] == ["job-1"]
+
+
+def test_a_finished_sequence_is_published_stored_and_removed(client):
+    tokenizer = tiny_tokenizer()
+    queue = JobQueue(client, "w1", MODEL, answer_ttl_s=30)
+    _push(client, 0)
+    [job] = queue.take(limit=1, wait_s=0, block_s=1)
+    pubsub = client.pubsub()
+    pubsub.subscribe(keys.channel(job.id))
+    assert pubsub.get_message(timeout=1)["type"] == "subscribe"
+    seq = Sequence(job, tokenizer, frozenset({tokenizer.eos_token_id}))
+    for token in tokenizer(" brave knight").input_ids[:2]:
+        seq.append(token)
+    queue.publish([seq])
+
+    messages = [decode_result(m["data"]) for m in iter(lambda: pubsub.get_message(timeout=0.5), None)]
+    assert [m.type for m in messages] == ["text", "final"]
+    final = messages[-1]
+    assert isinstance(final, Final) and final.finish_reason == "length" and final.completion_tokens == 2
+    assert decode_result(client.get(keys.answer(job.id))) == final
+    assert 0 < client.ttl(keys.answer(job.id)) <= 30
+    assert client.llen(keys.processing("w1")) == 0
+
+
+def test_jobs_of_a_dead_worker_go_back_to_the_front_of_the_queue(client):
+    dead = JobQueue(client, "dead", MODEL)
+    info = WorkerInfo(id="dead", model=MODEL, context_window=128, engine="static", batch=4, device="cpu",
+                      dtype="float32", tokenizer_digest="x", pid=1, host="h", started=0.0)
+    dead.heartbeat(info, ttl_s=0.05)
+    _push(client, 0, 1)
+    dead.take(limit=2, wait_s=0, block_s=1)
+    _push(client, 2)
+    alive = JobQueue(client, "alive", MODEL)
+    assert alive.requeue_dead_workers() == 0  # its heartbeat is still fresh
+    time.sleep(0.1)
+    assert alive.requeue_dead_workers() == 2
+    assert [Job.from_json(r).id for r in client.lrange(keys.queue(MODEL), 0, -1)] == ["job-0", "job-1", "job-2"]
+    assert not client.hexists(keys.WORKERS, "dead")

@@ -1,0 +1,47 @@
+"""Per-row sampling: greedy rows, top-k and top-p cuts, and seeds that repeat."""
+from __future__ import annotations
+
+import torch
+
+from shared.protocol import SamplingParams
+from worker.sampling import _top_k, _top_p, new_generator, sample
+
+
+def test_greedy_rows_take_the_largest_logit():
+    logits = torch.tensor([[0.1, 3.0, 0.2], [5.0, 0.0, 1.0]])
+    params = [SamplingParams(temperature=0), SamplingParams(top_k=1)]
+    assert sample(logits, params, [new_generator(0), new_generator(0)]) == [1, 0]
+
+
+def test_top_k_keeps_each_rows_own_k_largest():
+    rows = torch.tensor([[1.0, 4.0, 3.0, 2.0], [1.0, 4.0, 3.0, 2.0], [1.0, 4.0, 3.0, 2.0]])
+    kept = torch.isfinite(_top_k(rows, [1, 3, 0]))
+    assert kept.tolist() == [[False, True, False, False], [False, True, True, True], [True] * 4]
+
+
+def test_top_p_keeps_the_smallest_set_holding_p_of_the_mass():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    kept = torch.isfinite(_top_p(probs.log(), [0.7]))
+    assert kept.tolist() == [[True, True, False, False]]  # 0.5 < 0.7, 0.5 + 0.3 >= 0.7
+    kept = torch.isfinite(_top_p(probs.log(), [0.4]))
+    assert kept.tolist() == [[True, False, False, False]]  # the first token always stays
+
+
+def test_sampled_tokens_stay_inside_the_cut():
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0))
+    allowed = set(torch.topk(logits[0], 5).indices.tolist())
+    gen = new_generator(7)
+    picks = {sample(logits, [SamplingParams(top_k=5, temperature=2.0)], [gen])[0] for _ in range(200)}
+    assert picks <= allowed and len(picks) > 1
+
+
+def test_same_seed_same_tokens_whatever_the_rows_around_it():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=1.0)] * 3
+
+    def draw(seeds, row):
+        gens = [new_generator(s) for s in seeds]
+        return [sample(logits, params, gens)[row] for _ in range(20)]
+
+    assert draw([42, 1, 2], 0) == draw([42, 9, 8], 0)
+    assert draw([42, 1, 2], 0) != draw([43, 1, 2], 0)

@@ -1,0 +1,88 @@
+"""A sequence's text: incremental decoding, stop strings held back and cut, end-of-text, max_tokens."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from shared.protocol import Job, SamplingParams
+from tests.tiny_models import tiny_tokenizer
+from worker.sequence import Sequence
+
+TEXT = "Once upon a time a brave knight walked to the café gate. The end!"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+def _seq(tokenizer, **params) -> Sequence:
+    job = Job(id="j", model="m", prompt_ids=tokenizer("Tell me").input_ids,
+              params=SamplingParams(**{"max_tokens": 100, **params}), deadline=time.time() + 60)
+    return Sequence(job, tokenizer, frozenset({tokenizer.eos_token_id}))
+
+
+def _feed(seq: Sequence, ids: list[int]) -> list[str]:
+    deltas = []
+    for token in ids:
+        seq.append(token)
+        delta = seq.delta()
+        if delta:
+            deltas.append(delta.text)
+        if seq.finished:
+            break
+    return deltas
+
+
+def test_deltas_add_up_to_the_whole_decode(tokenizer):
+    ids = tokenizer(TEXT).input_ids
+    seq = _seq(tokenizer)
+    deltas = _feed(seq, ids)
+    assert "".join(deltas) == tokenizer.decode(ids) == TEXT
+    assert len(deltas) > 5  # written piece by piece, not at the end
+
+
+def test_a_character_split_across_tokens_is_never_sent_half_written(tokenizer):
+    # "é" is two bytes, C3 A9; byte-level BPE can write it as two tokens, one byte each.
+    first, second = tokenizer.convert_tokens_to_ids(["\u00c3", "\u00a9"])
+    seq = _seq(tokenizer)
+    assert "".join(_feed(seq, tokenizer("caf").input_ids)) == "caf"
+    assert _feed(seq, [first]) == []  # half a character: nothing to send yet
+    assert _feed(seq, [second]) == ["é"]
+
+
+def test_stop_string_cuts_the_text_and_is_never_sent(tokenizer):
+    seq = _seq(tokenizer, stop=["knight"])
+    deltas = _feed(seq, tokenizer(TEXT).input_ids)
+    assert seq.finish_reason == "stop"
+    assert seq.text == "Once upon a time a brave "
+    assert "".join(deltas) == seq.text
+    assert seq.final().text == seq.text
+
+
+def test_text_that_may_start_a_stop_string_waits_until_it_does_not(tokenizer):
+    seq = _seq(tokenizer, stop=["brave dragon"])
+    deltas = _feed(seq, tokenizer(TEXT).input_ids)
+    assert seq.finish_reason is None  # "brave knight" is not the stop string...
+    assert "".join(deltas) == TEXT  # ...so all of it is sent in the end
+
+
+def test_end_of_text_stops_unless_ignored(tokenizer):
+    ids = tokenizer("Once upon").input_ids + [tokenizer.eos_token_id] + tokenizer(" a time").input_ids
+    stopped = _seq(tokenizer)
+    _feed(stopped, ids)
+    assert (stopped.finish_reason, stopped.text) == ("stop", "Once upon")
+
+    ignoring = _seq(tokenizer, ignore_eos=True)
+    _feed(ignoring, ids)
+    assert ignoring.finish_reason is None
+    assert ignoring.text == "Once upon a time"
+
+
+def test_max_tokens_ends_with_length(tokenizer):
+    seq = _seq(tokenizer, max_tokens=3)
+    _feed(seq, tokenizer(TEXT).input_ids)
+    final = seq.final()
+    assert (final.finish_reason, final.completion_tokens) == ("length", 3)
+    assert final.prompt_tokens == len(tokenizer("Tell me").input_ids)
