@@ -35,8 +35,10 @@ def ensure_redis(url: str) -> tuple[str, list[subprocess.Popen]]:
     host, port = parsed.hostname or "127.0.0.1", parsed.port or 6379
     binary = shutil.which("redis-server")
     if binary:
+        # Its own session: Ctrl-C in the terminal must not stop Redis before the workers are done.
         process = subprocess.Popen([binary, "--bind", host, "--port", str(port), "--save", "",
-                                    "--appendonly", "no"], stdout=subprocess.DEVNULL)
+                                    "--appendonly", "no"], stdout=subprocess.DEVNULL,
+                                   start_new_session=True)
         _wait_for_redis(url)
         return f"started redis-server at {url}", [process]
     from fakeredis import TcpFakeServer  # a stand-in: fine for trying things out, not for production
@@ -96,12 +98,12 @@ def main() -> None:
     processes += [subprocess.Popen([python, "-m", "worker"], env=env) for _ in range(args.workers)]
 
     def shut_down(*_):
-        for p in reversed(processes):  # workers first: they finish what they hold
+        # In reverse order of start: workers finish what they hold, then the API, then Redis.
+        for p in reversed(processes):
             if p.poll() is None:
                 p.terminate()
-        for p in reversed(processes):
             try:
-                p.wait(30)
+                p.wait(60)
             except subprocess.TimeoutExpired:
                 p.kill()
         sys.exit(0)

@@ -42,11 +42,7 @@ def test_a_batch_takes_at_most_its_size_in_queue_order(client):
     assert client.llen(keys.processing("w1")) == 16
 
 
-# The blocking tests use a real Redis only: fakeredis 2.40's BLMOVE does not block for a fractional
-# timeout, and never wakes up for a push made while it waits (it retries the empty list it saw first).
-
-def test_a_batch_waits_for_late_arrivals_only_until_the_deadline(real_redis):
-    client = real_redis
+def test_a_batch_waits_for_late_arrivals_only_until_the_deadline(client):
     queue = JobQueue(client, "w1", MODEL)
     _push(client, 0)
     # One arrives 20 ms after the first (inside a 150 ms wait), another after 400 ms (outside it).
@@ -69,6 +65,8 @@ def test_a_full_batch_does_not_wait(client):
     assert time.monotonic() - started < 1.0
 
 
+# Real Redis only: fakeredis 2.40's BLMOVE does not block for a fractional timeout, and never
+# wakes up for a push made while it waits (it retries the empty list it saw first).
 def test_an_empty_queue_gives_nothing_after_blocking(real_redis):
     client = real_redis
     queue = JobQueue(client, "w1", MODEL)

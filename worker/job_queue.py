@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 
 FINISHED_NORMALLY = ("stop", "length")
 STAND_IN_POLL_S = 0.05
+FILL_POLL_S = 0.001  # how often a filling batch looks for late arrivals
 
 
 class JobQueue:
@@ -44,22 +45,22 @@ class JobQueue:
             return []
         raws = [first]
         deadline = time.monotonic() + wait_s
-        while len(raws) < limit:
-            # Whatever is queued already comes in one round trip.
-            pipe = self.redis.pipeline(transaction=False)
-            for _ in range(limit - len(raws)):
-                pipe.lmove(self._queue, self._processing, "LEFT", "RIGHT")
-            got = [raw for raw in pipe.execute() if raw is not None]
-            raws += got
+        while True:
+            raws += self._move_queued(limit - len(raws))
             left = deadline - time.monotonic()
-            if len(raws) >= limit or left < 0.001:
+            if len(raws) >= limit or left <= 0:
                 break
-            if not got:  # queue empty: wait for the next arrival, but only until the deadline
-                raw = self._move(left)
-                if raw is None:
-                    break
-                raws.append(raw)
+            # Polled, not a BLMOVE: Redis checks a blocked client's timeout only every ~100 ms
+            # (hz 10), so a 5 ms BLMOVE on an empty queue can hold the whole batch for 100 ms.
+            time.sleep(min(FILL_POLL_S, left))
         return [job for job in map(self._parse, raws) if job is not None]
+
+    def _move_queued(self, count: int) -> list[bytes]:
+        """Up to `count` jobs already queued, in one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        for _ in range(count):
+            pipe.lmove(self._queue, self._processing, "LEFT", "RIGHT")
+        return [raw for raw in pipe.execute() if raw is not None]
 
     def _move(self, block_s: float):
         """One job from the queue into the processing list, waiting up to block_s for it."""

@@ -9,6 +9,8 @@ import signal
 import threading
 import time
 
+import redis
+
 from shared.protocol import WorkerInfo
 from shared.settings import Settings
 from worker.engine import Engine
@@ -49,7 +51,10 @@ class Worker:
         finally:
             self._left.set()
             self._heartbeat.join()
-            self.queue.leave()
+            try:
+                self.queue.leave()
+            except redis.RedisError as exc:  # Redis went first; our heartbeat expires on its own
+                log.warning("could not sign off: %s", exc)
             log.info("worker %s stopped", self.info.id)
 
     def _admit(self) -> None:
