@@ -6,6 +6,7 @@ context window -> subscribe to each job's channel, push the jobs -> answer whole
 from __future__ import annotations
 
 import logging
+import random
 import time
 import uuid
 from dataclasses import replace
@@ -45,6 +46,10 @@ def create_app(settings: Optional[Settings] = None, client: Optional[redis.Redis
     def redis_down(exc):
         return unavailable(f"the job queue (Redis) is not reachable: {exc}").response()
 
+    @app.errorhandler(LookupError)
+    def tokenizer_missing(exc):
+        return unavailable(f"the worker has not stored its tokenizer in Redis yet: {exc}").response()
+
     @app.errorhandler(HTTPException)
     def http_error(exc: HTTPException):
         return ApiError(exc.code or 500, exc.description or exc.name).response()
@@ -64,6 +69,8 @@ def create_app(settings: Optional[Settings] = None, client: Optional[redis.Redis
     def models():
         by_model: dict[str, list[WorkerInfo]] = {}
         for worker in broker.live_workers():
+            if worker.draining:
+                continue
             by_model.setdefault(worker.model, []).append(worker)
         data = [{"id": model, "object": "model", "created": int(min(w.started for w in workers)),
                  "owned_by": "storyteller", "context_window": workers[0].context_window,
@@ -128,6 +135,8 @@ def _tokenize(req: CompletionRequest, tokenizer, chat: bool) -> list[list[int]]:
 def _jobs(req: CompletionRequest, prompts: list[list[int]], worker: WorkerInfo,
           request_id: str, deadline: float) -> list[Job]:
     jobs = []
+    # Always a seed: a job written again after its worker died then writes the same text.
+    base_seed = req.params.seed if req.params.seed is not None else random.getrandbits(48)
     for prompt in prompts:
         room = worker.context_window - len(prompt)
         if room < 1:
@@ -138,8 +147,7 @@ def _jobs(req: CompletionRequest, prompts: list[list[int]], worker: WorkerInfo,
         # As the seed does: max_tokens beyond the room left is cut to the room.
         max_tokens = min(req.max_tokens or room, room)
         for choice in range(req.n):
-            seed = None if req.params.seed is None else req.params.seed + choice
-            params = replace(req.params, max_tokens=max_tokens, seed=seed)
+            params = replace(req.params, max_tokens=max_tokens, seed=base_seed + choice)
             jobs.append(Job(id=f"{request_id}-{len(jobs)}", model=req.model, prompt_ids=prompt,
                             params=params, deadline=deadline))
     return jobs
@@ -159,6 +167,20 @@ def _failure_error(failure: Failure) -> ApiError:
     return ApiError(504 if failure.code == "timeout" else 500, failure.message, code=failure.code)
 
 
+def _unsent(sent: str, offset: int, text: str) -> Optional[str]:
+    """What of `text`, which starts at `offset` of the answer, was not sent yet.
+
+    A job written again after its worker died repeats text already sent: that part is skipped,
+    and if it differs from what was sent, None says the stream cannot go on.
+    """
+    if offset > len(sent):
+        return ""  # a message was missed; the final answer carries the whole text
+    seen = sent[offset:offset + len(text)]
+    if text[:len(seen)] != seen:
+        return None
+    return text[len(seen):]
+
+
 def _stream(pending: Pending, shape: Shape, include_usage: bool, prompt_tokens: int):
     """Server-sent events: a chunk per piece of text as the worker writes it, then [DONE]."""
     sent = [""] * len(pending.jobs)
@@ -168,17 +190,20 @@ def _stream(pending: Pending, shape: Shape, include_usage: bool, prompt_tokens: 
             for index in range(len(pending.jobs)):
                 yield sse(shape.chunk(index, first=True))
         for index, result in pending.results():
-            if isinstance(result, TextDelta):
-                sent[index] += result.text
-                yield sse(shape.chunk(index, result.text))
-            elif isinstance(result, Final):
-                finals[index] = result
-                # Text whose messages were missed (read back from the stored answer) comes here.
-                rest = result.text[len(sent[index]):]
-                yield sse(shape.chunk(index, rest or None, finish_reason=result.finish_reason))
-            else:
+            if isinstance(result, Failure):
                 yield sse(_failure_error(result).body())
                 return
+            new = _unsent(sent[index], result.offset if isinstance(result, TextDelta) else 0, result.text)
+            if new is None:
+                yield sse(ApiError(500, "the worker writing this answer died, and the worker that "
+                                        "wrote it again wrote different text", code="retry_diverged").body())
+                return
+            sent[index] += new
+            if isinstance(result, Final):
+                finals[index] = result
+                yield sse(shape.chunk(index, new or None, finish_reason=result.finish_reason))
+            elif new:
+                yield sse(shape.chunk(index, new))
         if include_usage:
             yield sse(shape.usage_chunk(finals, prompt_tokens))
         yield SSE_DONE

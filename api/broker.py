@@ -28,7 +28,7 @@ class Broker:
 
     def worker_for(self, model: str) -> WorkerInfo:
         """A live worker of `model`: 503 if none at all is alive, 404 if none serves this model."""
-        workers = self.live_workers()
+        workers = [w for w in self.live_workers() if not w.draining]
         if not workers:
             raise unavailable("no worker is running: start one with `python -m worker`")
         for worker in workers:

@@ -47,8 +47,13 @@ class Job:
 
 @dataclass
 class TextDelta:
-    """Text written since the last message (may be several tokens' worth)."""
+    """Text written since the last message (may be several tokens' worth).
+
+    `offset` is where it starts in the job's whole text: a job put back after its worker died
+    is written again from the start, and the API must not send that text twice.
+    """
     text: str
+    offset: int
     completion_tokens: int
     type: str = "text"
 
@@ -98,6 +103,7 @@ class WorkerInfo:
     pid: int
     host: str
     started: float
+    draining: bool = False  # stopping: finishes what it holds, takes nothing new
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

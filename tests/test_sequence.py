@@ -29,6 +29,8 @@ def _feed(seq: Sequence, ids: list[int]) -> list[str]:
         seq.append(token)
         delta = seq.delta()
         if delta:
+            assert seq.text[delta.offset:].startswith(delta.text)  # the offset says where it goes
+            seq.sent(delta)
             deltas.append(delta.text)
         if seq.finished:
             break
@@ -86,3 +88,15 @@ def test_max_tokens_ends_with_length(tokenizer):
     final = seq.final()
     assert (final.finish_reason, final.completion_tokens) == ("length", 3)
     assert final.prompt_tokens == len(tokenizer("Tell me").input_ids)
+
+
+def test_text_not_marked_sent_comes_again_with_what_follows(tokenizer):
+    # As when Redis could not be reached: nothing was published, so the next delta repeats it.
+    seq = _seq(tokenizer)
+    ids = tokenizer(TEXT).input_ids
+    seq.append(ids[0])
+    unsent = seq.delta()
+    seq.append(ids[1])
+    again = seq.delta()
+    assert (again.offset, again.text) == (0, tokenizer.decode(ids[:2]))
+    assert again.text.startswith(unsent.text)

@@ -33,6 +33,7 @@ class JobQueue:
         self._queue = keys.queue(model)
         self._processing = keys.processing(worker_id)
         self._raw: dict[str, bytes] = {}  # job id -> its exact JSON, which LREM needs
+        self._tokenizer_files: dict[str, bytes] = {}
 
     # Taking jobs
 
@@ -86,34 +87,45 @@ class JobQueue:
     # Results
 
     def publish(self, seqs: Iterable[Sequence]) -> None:
-        """New text of each sequence; for finished ones the final answer, and the job is done."""
+        """New text of each sequence; for finished ones the final answer, and the job is done.
+
+        All in one round trip. If Redis fails, nothing is marked as sent: calling again with the
+        same sequences sends it all again.
+        """
         pipe = self.redis.pipeline(transaction=False)
+        deltas, done = [], []
         for seq in seqs:
             delta = seq.delta()
             if delta is not None:
                 pipe.publish(keys.channel(seq.id), encode_result(delta))
+                deltas.append((seq, delta))
             if seq.finished:
                 if seq.finish_reason in FINISHED_NORMALLY:
                     self._send_last(pipe, seq.id, encode_result(seq.final()))
-                self._done(pipe, seq.id)
-        pipe.execute()
+                done.append(seq.id)
+        self._remove(pipe, done)
+        for seq, delta in deltas:
+            seq.sent(delta)
 
-    def fail(self, job_ids: Iterable[str], message: str, code: str = "worker_error") -> None:
+    def fail(self, job_ids: list[str], message: str, code: str = "worker_error") -> None:
         pipe = self.redis.pipeline(transaction=False)
         for job_id in job_ids:
             self._send_last(pipe, job_id, encode_result(Failure(message=message, code=code)))
-            self._done(pipe, job_id)
-        pipe.execute()
+        self._remove(pipe, job_ids)
 
     def _send_last(self, pipe, job_id: str, message: str) -> None:
         # Stored before it is published, so a subscriber that missed the message can still read it.
         pipe.set(keys.answer(job_id), message, ex=self.answer_ttl_s)
         pipe.publish(keys.channel(job_id), message)
 
-    def _done(self, pipe, job_id: str) -> None:
-        raw = self._raw.pop(job_id, None)
-        if raw is not None:
-            pipe.lrem(self._processing, 1, raw)
+    def _remove(self, pipe, job_ids: list[str]) -> None:
+        """Take the jobs out of the processing list, with the rest of the pipeline, and run it."""
+        for job_id in job_ids:
+            if job_id in self._raw:
+                pipe.lrem(self._processing, 1, self._raw[job_id])
+        pipe.execute()
+        for job_id in job_ids:
+            self._raw.pop(job_id, None)
 
     def cancelled(self, job_ids: list[str]) -> set[str]:
         """Jobs whose client went away."""
@@ -128,9 +140,13 @@ class JobQueue:
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(keys.WORKERS, self.worker_id, self.model)
         pipe.set(keys.heartbeat(self.worker_id), info.to_json(), px=int(ttl_s * 1000))
-        pipe.execute()
+        pipe.exists(keys.tokenizer(self.model))
+        tokenizer_stored = pipe.execute()[-1]
+        if not tokenizer_stored and self._tokenizer_files:  # Redis restarted empty
+            self.store_tokenizer(self._tokenizer_files)
 
     def store_tokenizer(self, files: dict[str, bytes]) -> None:
+        self._tokenizer_files = files
         pipe = self.redis.pipeline()
         pipe.delete(keys.tokenizer(self.model))
         pipe.hset(keys.tokenizer(self.model), mapping=files)
@@ -144,15 +160,17 @@ class JobQueue:
 
     def requeue_dead_workers(self) -> int:
         """Put the jobs of workers without a heartbeat back at the front of their queues."""
-        moved = 0
+        total = 0
         for worker_id, model in self.redis.hgetall(keys.WORKERS).items():
             worker_id, model = worker_id.decode(), model.decode()
             if self.redis.exists(keys.heartbeat(worker_id)):
                 continue
+            moved = 0
             # Newest first onto the head of the queue, so the oldest job ends up first in line.
             while self.redis.lmove(keys.processing(worker_id), keys.queue(model), "RIGHT", "LEFT"):
                 moved += 1
             self.redis.hdel(keys.WORKERS, worker_id)
             if moved:
                 log.warning("worker %s is gone: %d job(s) back in the queue", worker_id, moved)
-        return moved
+            total += moved
+        return total

@@ -53,12 +53,18 @@ class Sequence:
         self.finish_reason = reason
 
     def delta(self) -> Optional[TextDelta]:
-        """Text not published yet, holding back a tail that may be the start of a stop string."""
+        """Text not published yet, holding back a tail that may be the start of a stop string.
+
+        Call `sent(delta)` once it is published; until then the same text comes again.
+        """
         end = len(self.text) if self.finished else len(self.text) - self._stop_prefix_len()
         if end <= self._sent:
             return None
-        piece, self._sent = self.text[self._sent:end], end
-        return TextDelta(text=piece, completion_tokens=len(self.output_ids))
+        return TextDelta(text=self.text[self._sent:end], offset=self._sent,
+                         completion_tokens=len(self.output_ids))
+
+    def sent(self, delta: TextDelta) -> None:
+        self._sent = max(self._sent, delta.offset + len(delta.text))
 
     def final(self) -> Final:
         return Final(text=self.text, finish_reason=self.finish_reason,

@@ -8,6 +8,7 @@ import logging
 import signal
 import threading
 import time
+from dataclasses import replace
 
 import redis
 
@@ -15,10 +16,12 @@ from shared.protocol import WorkerInfo
 from shared.settings import Settings
 from worker.engine import Engine
 from worker.job_queue import JobQueue
+from worker.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
 IDLE_BLOCK_S = 0.5  # how long an idle worker blocks on the queue before it looks at its flags again
+REDIS_RETRY_S = 1.0  # pause before trying again when Redis is unreachable
 
 
 class Worker:
@@ -28,6 +31,7 @@ class Worker:
         self.info = info
         self.settings = settings
         self.stopping = threading.Event()  # set by SIGTERM: finish what we hold, take no more
+        self._unpublished: list[Sequence] = []  # finished while Redis was unreachable
         self._left = threading.Event()  # the loop has ended: the heartbeat must stop too
         self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
 
@@ -38,16 +42,25 @@ class Worker:
     def stop(self) -> None:
         if not self.stopping.is_set():
             log.info("stopping: finishing %d request(s), taking no more", len(self.engine.sequences()))
+            # Announced, so the API sends new requests for this model elsewhere (or answers 503).
+            self.info = replace(self.info, draining=True)
         self.stopping.set()
 
     def run(self) -> None:
         self.queue.heartbeat(self.info, self.settings.heartbeat_ttl_s)
         self._heartbeat.start()
         try:
-            while not (self.stopping.is_set() and not self.engine.busy):
-                self._admit()
-                if self.engine.busy:
-                    self._step()
+            while not (self.stopping.is_set() and not self.engine.busy and not self._unpublished):
+                try:
+                    self._admit()
+                    if self.engine.busy:
+                        self._step()
+                    elif self._unpublished:
+                        self._publish([])
+                except redis.RedisError as exc:
+                    # Decoding goes on; what could not be published is sent once Redis is back.
+                    log.warning("Redis unreachable (%s): trying again in %g s", exc, REDIS_RETRY_S)
+                    time.sleep(REDIS_RETRY_S)
         finally:
             self._left.set()
             self._heartbeat.join()
@@ -82,7 +95,16 @@ class Worker:
             log.exception("engine step failed")
             self.queue.fail([s.id for s in self.engine.reset()], f"the worker failed: {exc}")
             return
-        self.queue.publish(changed + [s for s in held if s.finished and s not in changed])
+        self._publish(changed + [s for s in held if s.finished and s not in changed])
+
+    def _publish(self, seqs: list[Sequence]) -> None:
+        seqs, self._unpublished = self._unpublished + seqs, []
+        try:
+            self.queue.publish(seqs)
+        except redis.RedisError:
+            # Finished sequences have left the engine: keep them until their answer is out.
+            self._unpublished = [s for s in seqs if s.finished]
+            raise
 
     def _beat(self) -> None:
         while not self._left.wait(self.settings.heartbeat_s):
