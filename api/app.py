@@ -32,7 +32,10 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 def create_app(settings: Optional[Settings] = None, client: Optional[redis.Redis] = None) -> Flask:
     settings = settings or Settings.from_env()
     # Short timeouts: with Redis down, a request must get its 503 in a second or two, not hang.
-    client = client or redis.Redis.from_url(settings.redis_url, socket_connect_timeout=1, socket_timeout=5)
+    # A waiting request holds a pub/sub connection and briefly another: two per thread (redis-py
+    # allows 100 by default, fewer than the players one API process lets wait).
+    client = client or redis.Redis.from_url(settings.redis_url, socket_connect_timeout=1, socket_timeout=5,
+                                            max_connections=2 * settings.threads + 8)
     broker = Broker(client, settings.heartbeat_ttl_s)
     tokenizers = TokenizerCache(client)
     app = Flask(__name__)
@@ -105,9 +108,9 @@ def create_app(settings: Optional[Settings] = None, client: Optional[redis.Redis
 
 
 def _json_body():
-    body = request.get_json(silent=True)
+    body = request.get_json(force=True, silent=True)  # curl -d sends another Content-Type
     if body is None:
-        raise bad_request("the body is not valid JSON (and Content-Type must be application/json)",
+        raise bad_request("the body is not valid JSON",
                           code="invalid_json")
     return body
 
@@ -149,7 +152,7 @@ def _jobs(req: CompletionRequest, prompts: list[list[int]], worker: WorkerInfo,
         for choice in range(req.n):
             params = replace(req.params, max_tokens=max_tokens, seed=base_seed + choice)
             jobs.append(Job(id=f"{request_id}-{len(jobs)}", model=req.model, prompt_ids=prompt,
-                            params=params, deadline=deadline))
+                            params=params, deadline=deadline, stream=req.stream))
     return jobs
 
 

@@ -10,8 +10,9 @@ from api.errors import ApiError, unavailable
 from shared import keys
 from shared.protocol import Failure, Final, Job, Result, WorkerInfo, decode_result
 
-POLL_S = 0.25        # how often a waiting request wakes up to look around
-FALLBACK_EVERY_S = 1.0  # how often it reads stored answers and worker liveness
+# How often a waiting request, between messages, reads the stored answers and checks its deadline
+# and the workers' liveness. A message wakes it at once whatever this is.
+LOOK_EVERY_S = 1.0
 
 
 class Broker:
@@ -72,14 +73,15 @@ class Pending:
     def results(self) -> Iterator[tuple[int, Result]]:
         """(choice index, result) as they come, until every job has its Final or Failure."""
         model, deadline = self.jobs[0].model, self.jobs[0].deadline
-        next_look, alone_since = time.monotonic() + FALLBACK_EVERY_S, None
+        next_look, alone_since = time.monotonic() + LOOK_EVERY_S, None
         while self._open:
-            message = self._pubsub.get_message(ignore_subscribe_messages=True, timeout=POLL_S)
+            wait = max(0.0, next_look - time.monotonic())
+            message = self._pubsub.get_message(ignore_subscribe_messages=True, timeout=wait)
             if message and message["type"] == "message":
                 yield from self._take(self._index[message["channel"]], decode_result(message["data"]))
             if time.monotonic() < next_look:
                 continue
-            next_look = time.monotonic() + FALLBACK_EVERY_S
+            next_look = time.monotonic() + LOOK_EVERY_S
             yield from self._read_stored_answers()
             if time.time() > deadline:
                 raise ApiError(504, "the request timed out before its answer was written", code="timeout")

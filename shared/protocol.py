@@ -32,6 +32,7 @@ class Job:
     prompt_ids: list[int]
     params: SamplingParams
     deadline: float  # unix time after which nobody waits for the answer
+    stream: bool = False  # publish text as it is written; otherwise only the final answer
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

@@ -315,6 +315,28 @@ def test_32_concurrent_clients(client):
         assert a.usage.completion_tokens <= 8
 
 
+def test_more_waiting_players_than_redis_py_pools_by_default(stack):
+    # 150 requests waiting at once: each holds a Redis pub/sub connection in the API, more than
+    # redis-py's default pool of 100 allows (the API sizes its pool by its thread count).
+    crowd = 150
+    barrier = threading.Barrier(crowd)
+
+    def one(i):
+        body = json.dumps({"model": MODEL, "prompt": f"Player {i}", "max_tokens": 4}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{stack.port}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        barrier.wait(20)
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.status
+        except urllib.error.HTTPError as exc:
+            return f"{exc.code}: {exc.read()[:200]!r}"
+
+    with ThreadPoolExecutor(crowd) as pool:
+        statuses = list(pool.map(one, range(crowd)))
+    assert [s for s in statuses if s != 200] == []
+
+
 def test_greedy_batched_equals_alone(client):
     # Prompts of different lengths: batched they are left-padded, which must not change a greedy answer.
     prompts = ["Once", "The dragon slept in the forest", "A brave knight", "Write a short story about a gate",

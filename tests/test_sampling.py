@@ -45,3 +45,13 @@ def test_same_seed_same_tokens_whatever_the_rows_around_it():
 
     assert draw([42, 1, 2], 0) == draw([42, 9, 8], 0)
     assert draw([42, 1, 2], 0) != draw([43, 1, 2], 0)
+
+
+def test_tokens_are_drawn_with_the_softmax_probabilities():
+    probs = torch.tensor([0.1, 0.6, 0.0, 0.3])
+    logits = probs.log()[None].repeat(4000, 1)  # 4000 rows: one draw each, all at once
+    gens = [new_generator(i) for i in range(4000)]
+    picks = torch.tensor(sample(logits, [SamplingParams(temperature=1.0)] * 4000, gens))
+    freq = torch.bincount(picks, minlength=4).float() / 4000
+    assert freq[2] == 0  # a token with no probability is never drawn
+    assert torch.allclose(freq, probs, atol=0.03), freq

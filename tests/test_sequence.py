@@ -17,9 +17,10 @@ def tokenizer():
     return tiny_tokenizer()
 
 
-def _seq(tokenizer, **params) -> Sequence:
+def _seq(tokenizer, stream: bool = True, **params) -> Sequence:
     job = Job(id="j", model="m", prompt_ids=tokenizer("Tell me").input_ids,
-              params=SamplingParams(**{"max_tokens": 100, **params}), deadline=time.time() + 60)
+              params=SamplingParams(**{"max_tokens": 100, **params}), deadline=time.time() + 60,
+              stream=stream)
     return Sequence(job, tokenizer, frozenset({tokenizer.eos_token_id}))
 
 
@@ -100,3 +101,12 @@ def test_text_not_marked_sent_comes_again_with_what_follows(tokenizer):
     again = seq.delta()
     assert (again.offset, again.text) == (0, tokenizer.decode(ids[:2]))
     assert again.text.startswith(unsent.text)
+
+
+def test_without_streaming_or_stop_strings_the_text_is_decoded_once_at_the_end(tokenizer):
+    seq = _seq(tokenizer, stream=False, max_tokens=5)
+    ids = tokenizer(TEXT).input_ids
+    assert _feed(seq, ids[:4]) == []  # nothing to send: nobody listens to the pieces
+    assert seq.text == ""
+    _feed(seq, ids[4:])
+    assert seq.final().text == tokenizer.decode(ids[:5]) and seq.finish_reason == "length"

@@ -2,7 +2,8 @@
 
 The loop asks `free_slots()`, hands over that many jobs with `add()`, then calls `step()` until
 `busy` is false. A static engine offers slots only when idle; a continuous one offers them every
-step. Either way the queue code stays the same.
+step. Either way the queue code stays the same. To cancel a request the loop marks its sequence
+finished (`Sequence.cancel`); the engine drops it at the next step.
 """
 from __future__ import annotations
 
@@ -26,8 +27,6 @@ class Engine(Protocol):
     def step(self) -> list[Sequence]:
         """Decode one token for every running sequence; return those that changed."""
         ...
-
-    def cancel(self, job_id: str) -> None: ...
 
     def sequences(self) -> list[Sequence]: ...
 

@@ -95,7 +95,7 @@ class JobQueue:
         pipe = self.redis.pipeline(transaction=False)
         deltas, done = [], []
         for seq in seqs:
-            delta = seq.delta()
+            delta = seq.delta() if seq.job.stream else None
             if delta is not None:
                 pipe.publish(keys.channel(seq.id), encode_result(delta))
                 deltas.append((seq, delta))

@@ -28,9 +28,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     rows = rows / temperature[:, None]
     rows = _top_k(rows, [params[i].top_k for i in sampled])
     rows = _top_p(rows, [params[i].top_p for i in sampled])
-    probs = torch.softmax(rows, dim=-1).cpu()  # the generators live on the CPU
+    # One uniform number per row from the row's own generator, then inverse-CDF sampling for all
+    # rows at once: the same distribution as torch.multinomial, without a call per row.
+    uniform = torch.stack([torch.rand((), generator=generators[i]) for i in sampled]).to(rows.device)
+    cdf = torch.softmax(rows, dim=-1).cumsum(dim=-1)
+    chosen = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True)
     for row, i in enumerate(sampled):
-        picks[i] = int(torch.multinomial(probs[row], 1, generator=generators[i]))
+        picks[i] = min(int(chosen[row]), rows.shape[-1] - 1)
     return picks
 
 

@@ -21,6 +21,9 @@ class Sequence:
         self.finish_reason: Optional[str] = None
         self._tokenizer = tokenizer
         self._eos_ids = frozenset() if job.params.ignore_eos else eos_ids
+        # Text is needed token by token only to stream it or to watch for stop strings; otherwise
+        # it is decoded once, at the end (a decode per token per row is a real cost at batch 64).
+        self._incremental = job.stream or bool(job.params.stop)
         # Incremental detokenization: decode a short window, keep only what is new and complete.
         self._window = self.prompt_ids[-_CONTEXT_TOKENS:]
         self._prefix_offset = 0
@@ -39,18 +42,25 @@ class Sequence:
     def append(self, token: int) -> None:
         """Take the next token, then decide whether the sequence is finished."""
         if token in self._eos_ids:
-            self.finish_reason = "stop"
+            self._finish("stop")
             return
         self.output_ids.append(token)
-        self._window.append(token)
-        self.text += self._decode_new()
-        if self._cut_at_stop_string():
-            self.finish_reason = "stop"
-        elif len(self.output_ids) >= self.params.max_tokens:
-            self.finish_reason = "length"
+        if self._incremental:
+            self._window.append(token)
+            self.text += self._decode_new()
+            if self._cut_at_stop_string():
+                self._finish("stop")
+                return
+        if len(self.output_ids) >= self.params.max_tokens:
+            self._finish("length")
 
     def cancel(self, reason: str = "cancelled") -> None:
         self.finish_reason = reason
+
+    def _finish(self, reason: str) -> None:
+        self.finish_reason = reason
+        if not self._incremental:
+            self.text = self._tokenizer.decode(self.output_ids, skip_special_tokens=True)
 
     def delta(self) -> Optional[TextDelta]:
         """Text not published yet, holding back a tail that may be the start of a stop string.

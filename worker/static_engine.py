@@ -63,11 +63,6 @@ class StaticEngine:
     def sequences(self) -> list[Sequence]:
         return self._waiting + self._running
 
-    def cancel(self, job_id: str) -> None:
-        for seq in self.sequences():
-            if seq.id == job_id and not seq.finished:
-                seq.cancel()
-
     def reset(self) -> list[Sequence]:
         dropped = self.sequences()
         self._waiting = []
