@@ -23,13 +23,13 @@ def client(request):
     return request.getfixturevalue("fake_redis" if request.param == "fakeredis" else "real_redis")
 
 
-def _job(i: int) -> Job:
+def _job(i: int, stream: bool = False) -> Job:
     return Job(id=f"job-{i}", model=MODEL, prompt_ids=[5, 6, 7], params=SamplingParams(max_tokens=2),
-               deadline=time.time() + 60)
+               deadline=time.time() + 60, stream=stream)
 
 
-def _push(client, *ids: int) -> None:
-    client.rpush(keys.queue(MODEL), *[_job(i).to_json() for i in ids])
+def _push(client, *ids: int, stream: bool = False) -> None:
+    client.rpush(keys.queue(MODEL), *[_job(i, stream).to_json() for i in ids])
 
 
 def test_a_batch_takes_at_most_its_size_in_queue_order(client):
@@ -84,10 +84,11 @@ def test_a_malformed_job_is_dropped_not_retried_forever(client):
     assert [Job.from_json(r).id for r in client.lrange(keys.processing("w1"), 0, -1)] == ["job-1"]
 
 
-def test_a_finished_sequence_is_published_stored_and_removed(client):
+@pytest.mark.parametrize("stream, published", [(True, ["text", "final"]), (False, ["final"])])
+def test_a_finished_sequence_is_published_stored_and_removed(client, stream, published):
     tokenizer = tiny_tokenizer()
     queue = JobQueue(client, "w1", MODEL, answer_ttl_s=30)
-    _push(client, 0)
+    _push(client, 0, stream=stream)
     [job] = queue.take(limit=1, wait_s=0, block_s=1)
     pubsub = client.pubsub()
     pubsub.subscribe(keys.channel(job.id))
@@ -97,10 +98,12 @@ def test_a_finished_sequence_is_published_stored_and_removed(client):
         seq.append(token)
     queue.publish([seq])
 
+    # Text as it comes only for a streaming request: nobody else listens to the pieces.
     messages = [decode_result(m["data"]) for m in iter(lambda: pubsub.get_message(timeout=0.5), None)]
-    assert [m.type for m in messages] == ["text", "final"]
+    assert [m.type for m in messages] == published
     final = messages[-1]
     assert isinstance(final, Final) and final.finish_reason == "length" and final.completion_tokens == 2
+    assert final.text == tokenizer.decode(tokenizer(" brave knight").input_ids[:2])
     assert decode_result(client.get(keys.answer(job.id))) == final
     assert 0 < client.ttl(keys.answer(job.id)) <= 30
     assert client.llen(keys.processing("w1")) == 0

@@ -55,6 +55,16 @@ def test_a_character_split_across_tokens_is_never_sent_half_written(tokenizer):
     assert _feed(seq, [second]) == ["é"]
 
 
+def test_half_a_character_at_the_end_is_written_as_it_decodes(tokenizer):
+    # The answer ends inside a character: the streamed text still equals the whole decode.
+    first = tokenizer.convert_tokens_to_ids("\u00c3")
+    ids = tokenizer("caf").input_ids + [first]
+    seq = _seq(tokenizer, max_tokens=len(ids))
+    streamed = "".join(_feed(seq, ids))
+    assert seq.finish_reason == "length"
+    assert streamed == seq.final().text == tokenizer.decode(ids) == "caf\ufffd"
+
+
 def test_stop_string_cuts_the_text_and_is_never_sent(tokenizer):
     seq = _seq(tokenizer, stop=["knight"])
     deltas = _feed(seq, tokenizer(TEXT).input_ids)

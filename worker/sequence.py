@@ -49,7 +49,7 @@ class Sequence:
             self._window.append(token)
             self.text += self._decode_new()
             if self._cut_at_stop_string():
-                self._finish("stop")
+                self.finish_reason = "stop"  # the text ends where the stop string began
                 return
         if len(self.output_ids) >= self.params.max_tokens:
             self._finish("length")
@@ -59,7 +59,9 @@ class Sequence:
 
     def _finish(self, reason: str) -> None:
         self.finish_reason = reason
-        if not self._incremental:
+        if self._incremental:  # what was held back as half a character is all there will be
+            self.text += self._decode_new(final=True)
+        else:
             self.text = self._tokenizer.decode(self.output_ids, skip_special_tokens=True)
 
     def delta(self) -> Optional[TextDelta]:
@@ -80,12 +82,12 @@ class Sequence:
         return Final(text=self.text, finish_reason=self.finish_reason,
                      prompt_tokens=len(self.prompt_ids), completion_tokens=len(self.output_ids))
 
-    def _decode_new(self) -> str:
+    def _decode_new(self, final: bool = False) -> str:
         decode = lambda ids: self._tokenizer.decode(ids, skip_special_tokens=True)
         before = decode(self._window[self._prefix_offset:self._read_offset])
         after = decode(self._window[self._prefix_offset:])
         # A token that ends inside a multi-byte character decodes to U+FFFD: wait for the rest.
-        if len(after) <= len(before) or after.endswith("\ufffd"):
+        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
             return ""
         self._prefix_offset, self._read_offset = self._read_offset, len(self._window)
         return after[len(before):]
