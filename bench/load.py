@@ -197,8 +197,10 @@ def plot(runs: list[dict], path: str | Path) -> None:
         # Label exactly the crowd sizes measured, not powers of two matplotlib picks.
         ax.set_xticks(ticks, [str(t) for t in ticks])
         ax.xaxis.set_minor_locator(NullLocator())
-        ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
+    ax_tps.set_ylim(bottom=0)
+    # Waits range from seconds to minutes between configurations: a log scale shows both.
+    ax_lat.set_yscale("log")
     ax_tps.legend(title="run")
     # Colour says which run, line style says which statistic; say so once in the legend.
     handles, _ = ax_lat.get_legend_handles_labels()
