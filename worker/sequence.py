@@ -61,8 +61,9 @@ class Sequence:
         self.finish_reason = reason
         if self._incremental:  # what was held back as half a character is all there will be
             self.text += self._decode_new(final=True)
-        else:
-            self.text = self._tokenizer.decode(self.output_ids, skip_special_tokens=True)
+        else:  # decoded after the same prompt context as the incremental path, so both agree
+            context = self.prompt_ids[-_CONTEXT_TOKENS:]
+            self.text = self._decode(context + self.output_ids)[len(self._decode(context)):]
 
     def delta(self) -> Optional[TextDelta]:
         """Text not published yet, holding back a tail that may be the start of a stop string.
@@ -82,10 +83,12 @@ class Sequence:
         return Final(text=self.text, finish_reason=self.finish_reason,
                      prompt_tokens=len(self.prompt_ids), completion_tokens=len(self.output_ids))
 
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
+
     def _decode_new(self, final: bool = False) -> str:
-        decode = lambda ids: self._tokenizer.decode(ids, skip_special_tokens=True)
-        before = decode(self._window[self._prefix_offset:self._read_offset])
-        after = decode(self._window[self._prefix_offset:])
+        before = self._decode(self._window[self._prefix_offset:self._read_offset])
+        after = self._decode(self._window[self._prefix_offset:])
         # A token that ends inside a multi-byte character decodes to U+FFFD: wait for the rest.
         if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
             return ""
