@@ -39,17 +39,17 @@ def ensure_redis(url: str) -> tuple[str, list[subprocess.Popen]]:
         process = subprocess.Popen([binary, "--bind", host, "--port", str(port), "--save", "",
                                     "--appendonly", "no"], stdout=subprocess.DEVNULL,
                                    start_new_session=True)
-        _wait_for_redis(url)
+        wait_for_redis(url)
         return f"started redis-server at {url}", [process]
     from fakeredis import TcpFakeServer  # a stand-in: fine for trying things out, not for production
 
     server = TcpFakeServer((host, port), server_type="redis")
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    _wait_for_redis(url)
+    wait_for_redis(url)
     return f"no redis-server installed: embedded stand-in (fakeredis) at {url}", []
 
 
-def _wait_for_redis(url: str) -> None:
+def wait_for_redis(url: str) -> None:
     client = redis.Redis.from_url(url, socket_connect_timeout=1)
     for _ in range(100):
         try:

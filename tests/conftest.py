@@ -5,12 +5,12 @@ import os
 import shutil
 import socket
 import subprocess
-import time
 
 import fakeredis
 import pytest
 import redis
 
+from serve import wait_for_redis
 from tests.tiny_models import save_tiny
 
 
@@ -47,14 +47,7 @@ class RedisServer:
         self.process = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", self.directory], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port)
-        for _ in range(100):
-            try:
-                client.ping()
-                return
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        raise RuntimeError("redis-server did not start")
+        wait_for_redis(self.url)
 
     def stop(self) -> None:
         if self.process:
