@@ -67,6 +67,8 @@ def _sampling(body: dict, max_tokens_name: str = "max_tokens", default_max: Opti
     top_k = _get(body, "top_k", int, 0)
     _check(top_k >= -1, "top_k", f"must be -1 or 0 (off) or a positive integer, got {top_k}")
     seed = _get(body, "seed", int)
+    if seed is not None:
+        _check(abs(seed) < 2**63 - MAX_CHOICES, "seed", f"must fit in 64 bits, got {seed}")
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -76,6 +78,7 @@ def _sampling(body: dict, max_tokens_name: str = "max_tokens", default_max: Opti
         raise bad_request("'stop' must be a string or an array of strings", param="stop", code="invalid_type")
     _check(len(stop) <= MAX_STOPS, "stop", f"takes at most {MAX_STOPS} sequences, got {len(stop)}")
     _check(all(stop), "stop", "sequences must not be empty")
+    # max_tokens here is a placeholder: the API sets it once it knows the room the prompt leaves.
     params = SamplingParams(max_tokens=max_tokens or 1, temperature=temperature, top_p=top_p,
                             top_k=max(top_k, 0), seed=seed, stop=stop,
                             ignore_eos=_get(body, "ignore_eos", bool, False))

@@ -76,6 +76,7 @@ def _completion(**fields) -> dict:
     (_completion(stop=[1]), "stop"),
     (_completion(stop=[""]), "stop"),
     (_completion(seed="x"), "seed"),
+    (_completion(seed=2**70), "seed"),
     (_completion(stream="yes"), "stream"),
     (_completion(ignore_eos=1), "ignore_eos"),
     (_completion(prompt=[[1, 2], [10**6]]), "prompt"),  # token id outside the vocabulary

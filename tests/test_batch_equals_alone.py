@@ -84,3 +84,13 @@ def test_a_finished_row_leaves_the_batch_without_changing_the_others(loaded):
     alone = _alone(loaded, jobs)
     assert len(together["j1"]) == 2
     assert together == alone
+
+
+@pytest.mark.parametrize("prompt", [[], [10**6], [-1], list(range(10, 138))])
+def test_a_prompt_the_model_cannot_run_is_refused_before_it_joins_a_batch(loaded, prompt):
+    engine = StaticEngine(loaded, capacity=2)
+    job = _jobs(len(loaded.tokenizer))[0]
+    job.prompt_ids = prompt  # empty, outside the vocabulary, or as long as the context window (128)
+    with pytest.raises(ValueError):
+        engine.add(job)
+    assert not engine.busy

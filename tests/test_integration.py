@@ -404,6 +404,28 @@ def test_client_gone_mid_stream_cancels_its_job(stack, client):
     assert not stack.redis.exists(keys.answer(job_id)), "the job was written to the end after the client left"
 
 
+# A job the model cannot run, written by hand into the queue
+
+def test_a_job_the_model_cannot_run_fails_alone(stack, client):
+    r = stack.redis
+    bad = Job(id=f"bad-{uuid.uuid4().hex}", model=MODEL, prompt_ids=[10**6],
+              params=SamplingParams(max_tokens=4), deadline=time.time() + 60)
+    pubsub = r.pubsub()
+    pubsub.subscribe(keys.channel(bad.id))
+    assert pubsub.get_message(timeout=5)["type"] == "subscribe"
+    try:
+        r.rpush(keys.queue(MODEL), bad.to_json())
+        message = pubsub.get_message(ignore_subscribe_messages=True, timeout=10)
+    finally:
+        pubsub.close()
+    failure = decode_result(message["data"])
+    assert failure.type == "error" and "token ids" in failure.message
+    # The worker is still there, and serves the next request as usual.
+    answer = client.completions.create(model=MODEL, prompt="Once", max_tokens=3, extra_body={"ignore_eos": True})
+    assert answer.usage.completion_tokens == 3
+    assert stack.worker.poll() is None
+
+
 # Recovery of a dead worker's jobs
 
 def test_dead_workers_job_is_requeued_and_answered(stack, client, tiny_model_dirs):

@@ -55,3 +55,9 @@ def test_tokens_are_drawn_with_the_softmax_probabilities():
     freq = torch.bincount(picks, minlength=4).float() / 4000
     assert freq[2] == 0  # a token with no probability is never drawn
     assert torch.allclose(freq, probs, atol=0.03), freq
+
+
+def test_any_integer_seeds_a_generator():
+    # Jobs are JSON anyone can write: a seed torch would refuse must not take a worker down.
+    for seed in (-1, 2**64 + 5, -(2**70)):
+        assert sample(torch.randn(1, 10), [SamplingParams(temperature=1.0)], [new_generator(seed)])[0] in range(10)

@@ -29,6 +29,7 @@ class LoadedModel:
     tokenizer: object
     name: str
     context_window: int
+    vocab_size: int
     eos_ids: frozenset[int]
     pad_id: int
     device: torch.device
@@ -95,7 +96,8 @@ def load(source: str, name: str = "", dtype: str = "auto", device: str = "auto")
     eos = _eos_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name or default_name,
-                       context_window=_context_window(model), eos_ids=eos, pad_id=pad,
+                       context_window=_context_window(model), vocab_size=model.config.vocab_size,
+                       eos_ids=eos, pad_id=pad,
                        device=dev, dtype=dt)
 
 

@@ -12,7 +12,7 @@ def new_generator(seed) -> torch.Generator:
     if seed is None:
         g.seed()
     else:
-        g.manual_seed(seed)
+        g.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)  # any integer: torch takes 64 bits
     return g
 
 

@@ -34,6 +34,15 @@ def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
     return (mask.cumsum(dim=-1) - 1).clamp(min=0)
 
 
+def check_prompt(prompt: list[int], loaded: LoadedModel) -> None:
+    """Refuse a job the model cannot run, before it joins a batch it would break."""
+    if not prompt or len(prompt) >= loaded.context_window:
+        raise ValueError(f"the prompt has {len(prompt)} tokens; the model takes 1 to "
+                         f"{loaded.context_window - 1}")
+    if min(prompt) < 0 or max(prompt) >= loaded.vocab_size:
+        raise ValueError(f"token ids must be in [0, {loaded.vocab_size})")
+
+
 class StaticEngine:
     name = "static"
 
@@ -56,6 +65,7 @@ class StaticEngine:
     def add(self, job: Job) -> Sequence:
         if self.free_slots() <= 0:
             raise RuntimeError("static engine: no room until the running batch ends")
+        check_prompt(job.prompt_ids, self.loaded)
         seq = Sequence(job, self.loaded.tokenizer, self.loaded.eos_ids)
         self._waiting.append(seq)
         return seq

@@ -79,8 +79,12 @@ class Worker:
         for job in self.queue.take(room, self.settings.wait_ms / 1000, block):
             if job.deadline < now:  # nobody is waiting for it any more
                 self.queue.fail([job.id], "the request's deadline passed before it was decoded", "timeout")
-            else:
+                continue
+            try:
                 self.engine.add(job)
+            except Exception as exc:  # one bad job fails alone; the worker and its batch go on
+                log.exception("job %s refused", job.id)
+                self.queue.fail([job.id], f"the worker could not take this request: {exc}")
 
     def _step(self) -> None:
         held = self.engine.sequences()
