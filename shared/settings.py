@@ -46,8 +46,13 @@ class Settings:
         values = {}
         for f in fields(cls):
             raw = environ.get(_env_name(f))
-            if raw not in (None, ""):
+            if raw in (None, ""):
+                continue
+            try:
                 values[f.name] = type(f.default)(raw)
+            except ValueError:
+                raise SystemExit(f"{_env_name(f)}={raw!r}: expected {type(f.default).__name__} "
+                                 f"({f.metadata['help']})")
         return cls(**values)
 
     @classmethod

@@ -1,0 +1,28 @@
+"""Settings: defaults, then the environment, then flags."""
+from __future__ import annotations
+
+import pytest
+
+from shared.settings import Settings
+
+
+def test_flags_win_over_the_environment_which_wins_over_defaults(monkeypatch):
+    monkeypatch.setenv("BATCH", "32")
+    monkeypatch.setenv("WAIT_MS", "9")
+    monkeypatch.setenv("PORT", "9000")
+    settings = Settings.parse(["--wait", "7", "--model", "/models/x"], ["model", "batch", "wait_ms"], "test")
+    assert (settings.batch, settings.wait_ms, settings.model) == (32, 7.0, "/models/x")
+    assert settings.port == 9000  # from the environment, though not a flag of this program
+    assert settings.redis_url == Settings().redis_url
+
+
+def test_a_bad_value_in_the_environment_is_named(monkeypatch):
+    monkeypatch.setenv("PORT", "eighty")
+    with pytest.raises(SystemExit, match="PORT='eighty'"):
+        Settings.from_env()
+
+
+def test_a_bad_flag_value_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        Settings.parse(["--batch", "many"], ["batch"], "test")
+    assert "--batch" in capsys.readouterr().err
