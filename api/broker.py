@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from typing import Iterator, Optional
+from typing import Iterator
 
 import redis
 

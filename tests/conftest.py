@@ -1,7 +1,6 @@
 """Shared fixtures: tiny model directories, fakeredis for unit tests, a private redis-server."""
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import subprocess

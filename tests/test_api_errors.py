@@ -1,13 +1,10 @@
 """Every way a request can be wrong or fail, on fakeredis: a clear 4xx/5xx in OpenAI's shape, fast."""
 from __future__ import annotations
 
-import json
 import threading
 import time
 
-import fakeredis
 import pytest
-import redis
 
 from api.app import create_app
 from shared import keys
@@ -158,7 +155,7 @@ def test_redis_down_gets_a_503_within_two_seconds():
 
 
 def test_a_worker_that_dies_mid_request_gets_a_503_not_a_hang(fake_redis):
-    queue = _register_worker(fake_redis)
+    _register_worker(fake_redis)
     client = create_app(Settings(heartbeat_ttl_s=0.5, request_timeout=30), client=fake_redis).test_client()
     # The job is queued, then the worker's heartbeat disappears, as if it was killed.
     threading.Timer(0.3, fake_redis.delete, (keys.heartbeat("w1"),)).start()

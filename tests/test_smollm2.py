@@ -7,6 +7,8 @@ import time
 import pytest
 
 from shared.protocol import Job, SamplingParams
+from tests.conftest import free_port
+from tests.processes import make_client, models_served, start, stop, wait_until
 from worker.model_loader import PACKAGED, PACKAGED_NAME, load
 from worker.static_engine import StaticEngine
 
@@ -37,14 +39,38 @@ def _run(loaded, jobs):
     return seqs
 
 
+def _assert_english_story(text: str, about: str) -> None:
+    words = re.findall(r"[a-z']+", text.lower())
+    assert len(words) >= 30, text
+    assert len(COMMON_WORDS & set(words)) >= 4, text
+    assert about in words, text
+    assert sum(c.isascii() for c in text) / len(text) > 0.95, text
+
+
 def test_smollm2_writes_an_english_story(smollm2):
     assert smollm2.name == PACKAGED_NAME and smollm2.context_window == 8192
     [story] = _run(smollm2, [_chat_job(smollm2, "s", "Tell a short story about a brave dragon.", 60)])
-    words = re.findall(r"[a-z']+", story.text.lower())
-    assert len(words) >= 30, story.text
-    assert len(COMMON_WORDS & set(words)) >= 4, story.text
-    assert "dragon" in words, story.text
-    assert sum(c.isascii() for c in story.text) / len(story.text) > 0.95
+    _assert_english_story(story.text, "dragon")
+
+
+def test_the_default_service_tells_stories_to_the_openai_client(redis_server, tmp_path):
+    # What a new user gets: the default worker (no --model) and the API, driven by OpenAI's client.
+    port = free_port()
+    worker = start(["worker"], tmp_path, "worker", REDIS_URL=redis_server.url, OMP_NUM_THREADS="2")
+    api = start(["api", "--port", str(port), "--redis-url", redis_server.url], tmp_path, "api")
+    try:
+        wait_until(lambda: PACKAGED_NAME in models_served(port), [worker, api], "SmolLM2 to load", timeout=240)
+        client = make_client(port)
+        chat = client.chat.completions.create(
+            model=PACKAGED_NAME, max_tokens=80, temperature=0,
+            messages=[{"role": "user", "content": "Tell a short story about a knight and a castle."}])
+        _assert_english_story(chat.choices[0].message.content, "knight")
+        streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
+            model=PACKAGED_NAME, prompt="Once upon a time, a dragon", max_tokens=60, temperature=0.7, seed=1,
+            stream=True, extra_body={"ignore_eos": True}) if chunk.choices)
+        _assert_english_story("Once upon a time, a dragon" + streamed, "dragon")
+    finally:
+        stop(api), stop(worker)
 
 
 def test_smollm2_batch_writes_what_each_request_writes_alone(smollm2):

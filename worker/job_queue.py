@@ -6,7 +6,6 @@ to put back (`requeue_dead_workers`).
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import Iterable

@@ -1,0 +1,91 @@
+"""Starting and stopping the service's real processes (`python -m api`, `python -m worker`) in tests."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import fields
+from pathlib import Path
+
+import openai
+import pytest
+
+from shared.settings import Settings
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _env(**extra) -> dict:
+    """The environment without any Storyteller setting (a stray PORT or MODEL must not leak in)."""
+    env = dict(os.environ)
+    for f in fields(Settings):
+        env.pop(f.metadata.get("env") or f.name.upper(), None)
+    # One torch thread: the machine has 2 cores and the tiny model gains nothing from more.
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    env.update(extra)
+    return env
+
+
+def start(args: list[str], log_dir: Path, name: str, **env) -> subprocess.Popen:
+    """`python -m ...` from the repository root, its stdout and stderr in log_dir/name.{out,err}."""
+    out, err = open(log_dir / f"{name}.out", "wb"), open(log_dir / f"{name}.err", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, env=_env(**env), stdout=out, stderr=err)
+    proc.log_files = (log_dir / f"{name}.out", log_dir / f"{name}.err")
+    out.close(), err.close()
+    return proc
+
+
+def stop(proc: subprocess.Popen, timeout: float = 15) -> int:
+    """SIGTERM, then SIGKILL if it does not exit in time; returns the exit status."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    return proc.returncode
+
+
+def logs(*procs: subprocess.Popen) -> str:
+    parts = []
+    for proc in procs:
+        for path in proc.log_files:
+            text = path.read_text(errors="replace")[-3000:]
+            parts.append(f"----- {path.name} (exit {proc.poll()}) -----\n{text}")
+    return "\n".join(parts)
+
+
+def get_json(url: str, timeout: float = 5) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, json.load(resp)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.load(exc)
+
+
+def wait_until(ready, procs, what: str, timeout: float = 90) -> None:
+    """Poll ready() until true; fail with every process's log if it takes too long or one dies."""
+    give_up = time.monotonic() + timeout
+    while time.monotonic() < give_up:
+        if any(p.poll() is not None for p in procs):
+            pytest.fail(f"a process exited while waiting for {what}\n{logs(*procs)}")
+        try:
+            if ready():
+                return
+        except (OSError, ValueError):  # not listening yet, or not answering JSON yet
+            pass
+        time.sleep(0.2)
+    pytest.fail(f"timed out after {timeout:g}s waiting for {what}\n{logs(*procs)}")
+
+
+def models_served(port: int) -> set[str]:
+    return {m["id"] for m in get_json(f"http://127.0.0.1:{port}/v1/models")[1]["data"]}
+
+
+def make_client(port: int) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
