@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -47,6 +48,13 @@ def ensure_redis(url: str) -> tuple[str, list[subprocess.Popen]]:
     threading.Thread(target=server.serve_forever, daemon=True).start()
     wait_for_redis(url)
     return f"no redis-server installed: embedded stand-in (fakeredis) at {url}", []
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now, for a private Redis or API."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def wait_for_redis(url: str) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -19,13 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from bench.load import format_row, plot, run_crowd, write_results
-from serve import wait_until_served
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from serve import free_port, wait_until_served
 
 
 @contextmanager

@@ -2,21 +2,14 @@
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 
 import fakeredis
 import pytest
 import redis
 
-from serve import wait_for_redis
+from serve import free_port, wait_for_redis
 from tests.tiny_models import save_tiny
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

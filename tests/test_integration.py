@@ -23,7 +23,8 @@ from transformers import AutoTokenizer
 
 from shared import keys
 from shared.protocol import Final, Job, SamplingParams, decode_result
-from tests.conftest import RedisServer, free_port
+from serve import free_port
+from tests.conftest import RedisServer
 from tests.processes import get_json, logs, make_client, models_served, start, stop, wait_until
 
 pytestmark = pytest.mark.timeout(120)

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from shared.protocol import Job, SamplingParams
-from tests.conftest import free_port
+from serve import free_port
 from tests.processes import make_client, models_served, start, stop, wait_until
 from worker.model_loader import PACKAGED, PACKAGED_NAME, load
 from worker.static_engine import StaticEngine
