@@ -31,12 +31,28 @@ class Settings:
     model: str = _setting("smollm2", "'smollm2' (the packaged SmolLM2-135M-Instruct) or a local "
                                      "Hugging Face causal-LM directory")
     model_name: str = _setting("", "name clients use for the model (default: from --model)")
-    batch: int = _setting(16, "most requests decoded together")
+    engine: str = _setting("continuous", "continuous (step-level batching on a paged KV cache) | "
+                                         "static (the seed's padded batches, on transformers' classes)")
+    batch: int = _setting(0, "most requests decoded together (0: continuous: as many as the KV "
+                             "cache and --max-batch-tokens allow; static: 64)")
     wait_ms: float = _setting(5.0, "ms to wait for a batch to fill after its first request",
                               flag="--wait", env="WAIT_MS")
     dtype: str = _setting("auto", "auto | float32 | bfloat16 | float16 (auto: bfloat16 where "
                                   "the hardware supports it)")
     device: str = _setting("auto", "auto | cpu | cuda")
+    # The continuous engine
+    block_size: int = _setting(16, "tokens per block of the paged KV cache")
+    kv_blocks: int = _setting(0, "blocks in the KV cache (0: as many as --kv-memory holds)")
+    kv_memory: int = _setting(1024, "MiB of memory for the KV cache, when --kv-blocks is 0")
+    max_batch_tokens: int = _setting(512, "tokens computed per step at most: decodes plus prefill "
+                                          "chunks (a longer prompt is prefilled in chunks)")
+    scheduler: str = _setting("fifo", "fifo (decodes, then ongoing prefills, then new requests) | "
+                                      "prefill-first")
+    prefix_caching: bool = _setting(True, "share the KV blocks of prompts that start alike")
+    int4_rows: int = _setting(8, "run the model's 4-bit (GGUF Q4_1) layers with the int4 kernel "
+                                 "when a step has at most this many tokens (0: never)")
+    int4_head: bool = _setting(False, "also requantize the output head to 4 bits (faster, less "
+                                      "exact)")
     heartbeat_s: float = _setting(1.0, "seconds between worker heartbeats")
     heartbeat_ttl_s: float = _setting(3.0, "seconds without a heartbeat after which a worker is dead")
     answer_ttl_s: int = _setting(300, "seconds a final answer stays readable in Redis")
@@ -49,7 +65,7 @@ class Settings:
             if raw in (None, ""):
                 continue
             try:
-                values[f.name] = type(f.default)(raw)
+                values[f.name] = _parse_value(type(f.default), raw)
             except ValueError:
                 raise SystemExit(f"{_env_name(f)}={raw!r}: expected {type(f.default).__name__} "
                                  f"({f.metadata['help']})")
@@ -63,11 +79,23 @@ class Settings:
         by_name = {f.name: f for f in fields(cls)}
         for name in flags:
             f = by_name[name]
-            parser.add_argument(_flag_name(f), dest=name, type=type(f.default), default=None,
+            parser.add_argument(_flag_name(f), dest=name, default=None,
+                                type=lambda raw, kind=type(f.default): _parse_value(kind, raw),
                                 help=f"{f.metadata['help']} (env {_env_name(f)}, "
                                      f"default {getattr(base, name)!r})")
         given = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
         return replace(base, **given)
+
+
+def _parse_value(kind: type, raw: str):
+    if kind is bool:  # bool("0") is True: spell the values out
+        lowered = raw.strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"not a yes/no value: {raw!r}")
+    return kind(raw)
 
 
 def _env_name(f) -> str:

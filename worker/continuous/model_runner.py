@@ -1,0 +1,82 @@
+"""One step on the model: the scheduler's plan in, tensors built, forward pass, a token per row out.
+
+The plan is a list of (request, tokens to compute), decodes first. Its tokens become one flat
+batch; each token's cache slot comes from its request's block table. Only requests whose chunk
+reaches the end of what they have to compute get logits, and a token.
+"""
+from __future__ import annotations
+
+import torch
+
+from worker.continuous.attention import Chunk, KVCache, StepLayout
+from worker.continuous.request import Request, Status
+from worker.sampling import sample
+
+
+class ModelRunner:
+    def __init__(self, model, cache: KVCache, block_size: int, device: torch.device):
+        self.model = model
+        self.cache = cache
+        self.block_size = block_size
+        self.device = device
+
+    @torch.inference_mode()
+    def run(self, plan: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
+        """Compute the plan; returns (request, new token) for each request that reached its end."""
+        ids, positions, step, last_rows, sampled = self._layout(plan)
+        hidden = self.model.forward(ids, positions, self.cache, step)
+        if not sampled:
+            return []
+        logits = self.model.logits(hidden[last_rows])
+        tokens = sample(logits, [r.seq.params for r in sampled], [r.seq.generator for r in sampled])
+        return list(zip(sampled, tokens))
+
+    def _layout(self, plan):
+        size = self.block_size
+        ids, positions, slots, last_rows, sampled, chunks = [], [], [], [], [], []
+        decodes = [req for req, _ in plan if req.status is Status.DECODING]  # first in the plan
+        for req, count in plan:
+            start, first = len(ids), req.computed
+            span = range(first, first + count)
+            ids += req.tokens[first:first + count]
+            positions += span
+            table = req.table.blocks
+            slots += [table[p // size] * size + p % size for p in span]
+            if first + count == len(req.tokens):
+                last_rows.append(len(ids) - 1)
+                sampled.append(req)
+            if start >= len(decodes):
+                chunks.append((start, len(ids), req, first + count))
+        dev = self.device
+        step = StepLayout(slots=torch.tensor(slots, device=dev), decodes=len(decodes))
+        if decodes:
+            step.decode_slots, step.decode_bias = self._decode_context(decodes)
+        for start, end, req, known in chunks:
+            context = self._slots(req.table.blocks, known)
+            # Query i of the chunk sits at position (known - (end - start) + i) and sees keys up to it.
+            query_pos = torch.arange(known - (end - start), known, device=dev)
+            mask = torch.arange(known, device=dev)[None, :] <= query_pos[:, None]
+            step.chunks.append(Chunk(start, end, context, mask))
+        return (torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), step,
+                torch.tensor(last_rows, device=dev), sampled)
+
+    def _slots(self, blocks: list[int], count: int) -> torch.Tensor:
+        table = torch.tensor(blocks, device=self.device)
+        offsets = torch.arange(self.block_size, device=self.device)
+        return (table[:, None] * self.block_size + offsets).flatten()[:count]
+
+    def _decode_context(self, decodes: list[Request]):
+        """Each decode row's context slots, padded to the longest with its own first slot."""
+        lengths = torch.tensor([r.computed + 1 for r in decodes], device=self.device)
+        width = -(-int(lengths.max()) // self.block_size)
+        rows = [r.table.blocks[:width] for r in decodes]
+        tables = torch.tensor([row + [0] * (width - len(row)) for row in rows], device=self.device)
+        offsets = torch.arange(self.block_size, device=self.device)
+        slots = (tables[:, :, None] * self.block_size + offsets).flatten(1)
+        longest = int(lengths.max())
+        slots = slots[:, :longest]
+        valid = torch.arange(longest, device=self.device)[None, :] < lengths[:, None]
+        slots = torch.where(valid, slots, slots[:, :1])
+        bias = torch.zeros(valid.shape, dtype=torch.float32, device=self.device)
+        bias.masked_fill_(~valid, float("-inf"))
+        return slots.flatten(), bias

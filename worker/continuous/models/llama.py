@@ -1,0 +1,91 @@
+"""The Llama family (SmolLM2, TinyLlama, Llama 2/3…) over a flat batch of tokens and a paged cache.
+
+Tokens of every request in the step are one [tokens, hidden] tensor; the cache layout (who
+attends to what) comes in the StepLayout. Query, key and value are one fused product, as are gate
+and up. Rotary angles are a table built once with transformers' own rotary embedding, so every
+rope variant it knows (default, linear, llama3, yarn…) is right here too.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from worker.continuous import attention
+from worker.continuous.attention import KVCache, StepLayout
+from worker.continuous.linear import Linear, fuse, quantize_q4_1
+
+
+class Llama:
+    @staticmethod
+    def unsupported(config) -> Optional[str]:
+        if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+            return "biases in attention or MLP"
+        rope = (getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+        if rope.get("rope_type", rope.get("type")) in ("dynamic", "longrope"):
+            return f"rope type {rope.get('rope_type')!r} depends on the sequence length"
+        return None
+
+    def __init__(self, config, tensors: dict, dtype, device, int4_rows: int = 0, int4_head: bool = False):
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.layers = config.num_hidden_layers
+        self.eps = config.rms_norm_eps
+        self.act = ACT2FN[config.hidden_act]
+        self.scale = 1 / math.sqrt(self.head_dim)
+
+        def tensor(name):
+            return tensors[name].to(device=device, dtype=dtype)
+
+        def linear(names):
+            return Linear(fuse([tensors[n] for n in names]), None, dtype, device, int4_rows)
+
+        self.embed = tensors["model.embed_tokens.weight"]
+        self.embed = self.embed.dequantize() if hasattr(self.embed, "dequantize") else self.embed
+        self.embed = self.embed.to(device=device, dtype=dtype)
+        self.blocks = []
+        for i in range(self.layers):
+            p = f"model.layers.{i}."
+            self.blocks.append(dict(
+                norm1=tensor(p + "input_layernorm.weight"),
+                qkv=linear([p + f"self_attn.{x}_proj.weight" for x in "qkv"]),
+                o=linear([p + "self_attn.o_proj.weight"]),
+                norm2=tensor(p + "post_attention_layernorm.weight"),
+                gate_up=linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                down=linear([p + "mlp.down_proj.weight"])))
+        self.norm = tensor("model.norm.weight")
+        head = tensors.get("lm_head.weight", self.embed)
+        head = quantize_q4_1(head.float()) if int4_head else head
+        self.head = Linear(head, None, dtype, device, int4_rows=1 << 30 if int4_head else 0)
+
+        rotary = LlamaRotaryEmbedding(config)
+        positions = torch.arange(config.max_position_embeddings)[None]
+        cos, sin = rotary(torch.zeros((), dtype=dtype), positions)
+        self.cos, self.sin = cos[0].to(device), sin[0].to(device)  # [positions, head_dim]
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                step: StepLayout) -> torch.Tensor:
+        x = F.embedding(ids, self.embed)
+        cos, sin = self.cos[positions], self.sin[positions]
+        tokens = ids.shape[0]
+        q_end, k_end = self.heads * self.head_dim, (self.heads + self.kv_heads) * self.head_dim
+        for layer, b in enumerate(self.blocks):
+            qkv = b["qkv"](F.rms_norm(x, x.shape[-1:], b["norm1"], self.eps))
+            q = qkv[:, :q_end].view(tokens, self.heads, self.head_dim)
+            k = qkv[:, q_end:k_end].view(tokens, self.kv_heads, self.head_dim)
+            v = qkv[:, k_end:].view(tokens, self.kv_heads, self.head_dim)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+            attention.write(cache, layer, k, v, step.slots)
+            out = attention.attend(q, cache, layer, step, self.scale)
+            x = x + b["o"](out.view(tokens, -1))
+            gate, up = b["gate_up"](F.rms_norm(x, x.shape[-1:], b["norm2"], self.eps)).chunk(2, dim=-1)
+            x = x + b["down"](self.act(gate) * up)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(F.rms_norm(hidden, hidden.shape[-1:], self.norm, self.eps))

@@ -1,0 +1,51 @@
+"""A request inside the continuous engine: its sequence, its place in the cache and its state."""
+from __future__ import annotations
+
+import enum
+import itertools
+
+from worker.continuous.block_manager import BlockTable
+from worker.sequence import Sequence
+
+_arrivals = itertools.count()
+
+
+class Status(enum.Enum):
+    PENDING = "pending"        # waiting for room in the cache (new, or set back by preemption)
+    PREFILLING = "prefilling"  # its prompt is being computed, a chunk per step
+    DECODING = "decoding"      # one new token per step
+    FINISHED = "finished"
+
+
+class Request:
+    def __init__(self, seq: Sequence):
+        self.seq = seq
+        self.arrival = next(_arrivals)  # the order of admission and of preemption (newest first)
+        self.status = Status.PENDING
+        self.table = BlockTable()
+        # Every token whose KV the request needs: the prompt, then what it wrote. After a
+        # preemption the written tokens are simply part of what is prefilled again.
+        self.tokens = list(seq.prompt_ids)
+        self.computed = 0  # leading tokens whose KV is in the cache
+        self.preemptions = 0
+
+    @property
+    def id(self) -> str:
+        return self.seq.id
+
+    @property
+    def finished(self) -> bool:
+        return self.seq.finished
+
+    @property
+    def to_compute(self) -> int:
+        return len(self.tokens) - self.computed
+
+    def most_tokens(self) -> int:
+        """The longest this request can grow: its prompt plus every token it may still write."""
+        return len(self.seq.prompt_ids) + self.seq.params.max_tokens
+
+    def append(self, token: int) -> None:
+        self.seq.append(token)
+        if not self.seq.finished:
+            self.tokens.append(token)

@@ -1,0 +1,128 @@
+"""Who runs this step, and how many of their tokens: the continuous engine's admission rule.
+
+Every step has a budget of `max_batch_tokens`. A decoding request costs one token; a prompt
+costs its length, so a long one is split into chunks across steps and the others keep decoding
+between them. New requests are admitted only when the cache has room for their prompt plus a
+margin, so that running requests can still grow. When it has not (the pool ran out while
+decoding), the newest running request is set back: its blocks are freed and it waits, first in
+line, to be prefilled again with what it wrote so far. The last running request is never set back.
+
+Two orders: `fifo` serves decodes first, then ongoing prefills, then new requests by arrival;
+`prefill-first` serves prefills (ongoing, then new) first and decodes with what budget is left.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from worker.continuous.block_manager import BlockManager
+from worker.continuous.request import Request, Status
+
+POLICIES = ("fifo", "prefill-first")
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_batch_tokens: int, max_running: int,
+                 policy: str = "fifo", margin_blocks: int = 1):
+        if policy not in POLICIES:
+            raise ValueError(f"scheduler {policy!r}: expected one of {', '.join(POLICIES)}")
+        self.blocks = blocks
+        self.max_batch_tokens = max_batch_tokens
+        self.max_running = max_running
+        self.policy = policy
+        self.margin_blocks = margin_blocks
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # by arrival
+        self.preempted = 0  # since start
+        self._preempted_now = False
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def requests(self) -> list[Request]:
+        return self.running + list(self.waiting)
+
+    def schedule(self) -> list[tuple[Request, int]]:
+        """This step's work: (request, tokens to compute), decodes first in the list."""
+        self._drop_finished()
+        budget, plan = self.max_batch_tokens, []
+        self._preempted_now = False
+        if self.policy == "fifo":
+            budget = self._decodes(plan, budget)
+            budget = self._prefills(plan, budget)
+            self._admit(plan, budget)
+        else:
+            budget = self._prefills(plan, budget)
+            budget = self._admit(plan, budget)
+            self._decodes(plan, budget)
+        plan.sort(key=lambda item: item[0].status is not Status.DECODING)  # stable: decodes first
+        return plan
+
+    def finish(self, req: Request) -> None:
+        """A request left (finished or cancelled): its blocks go back at once."""
+        req.status = Status.FINISHED
+        self.blocks.release(req.table)
+
+    def _decodes(self, out: list, budget: int) -> int:
+        for req in [r for r in self.running if r.status is Status.DECODING]:
+            if budget <= 0:
+                break
+            if req.status is not Status.DECODING:  # set back while making room for an older one
+                continue
+            while not self.blocks.grow(req.table, len(req.tokens)):
+                victim = max(self.running, key=lambda r: r.arrival)
+                if victim is req and len(self.running) == 1:
+                    raise RuntimeError("the KV cache cannot hold one request")  # refused at add()
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            if req.status is Status.DECODING:
+                out.append((req, 1))
+                budget -= 1
+        return budget
+
+    def _prefills(self, out: list, budget: int) -> int:
+        for req in [r for r in self.running if r.status is Status.PREFILLING]:
+            if budget <= 0:
+                break
+            chunk = min(req.to_compute, budget)
+            out.append((req, chunk))
+            budget -= chunk
+        return budget
+
+    def _admit(self, out: list, budget: int) -> int:
+        # Right after a preemption the pool is short: admitting now would only preempt again.
+        while (self.waiting and budget > 0 and len(self.running) < self.max_running
+               and not self._preempted_now):
+            req = self.waiting[0]
+            if req.finished:  # cancelled while it waited
+                self.waiting.popleft()
+                req.status = Status.FINISHED
+                continue
+            cached = self.blocks.allocate(req.table, req.tokens, self.margin_blocks if self.running else 0)
+            if cached is None:
+                break  # no room: it stays first in line
+            self.waiting.popleft()
+            req.computed = cached
+            req.status = Status.PREFILLING
+            self.running.append(req)
+            chunk = min(req.to_compute, budget)
+            out.append((req, chunk))
+            budget -= chunk
+        return budget
+
+    def _preempt(self, req: Request, scheduled: list) -> None:
+        """Soft reset: free its blocks; it is prefilled again, its written tokens now prompt."""
+        self.running.remove(req)
+        self.blocks.release(req.table)
+        req.computed = 0
+        req.status = Status.PENDING
+        req.preemptions += 1
+        self.preempted += 1
+        self._preempted_now = True
+        self.waiting.appendleft(req)
+        scheduled[:] = [(r, n) for r, n in scheduled if r is not req]
+
+    def _drop_finished(self) -> None:
+        for req in [r for r in self.running if r.finished]:
+            self.running.remove(req)
+            self.finish(req)
