@@ -105,6 +105,7 @@ class WorkerInfo:
     host: str
     started: float
     draining: bool = False  # stopping: finishes what it holds, takes nothing new
+    stats: dict = field(default_factory=dict)  # the engine's own: KV cache usage, requests held
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

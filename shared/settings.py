@@ -53,6 +53,8 @@ class Settings:
                                  "when a step has at most this many tokens (0: never)")
     int4_head: bool = _setting(False, "also requantize the output head to 4 bits (faster, less "
                                       "exact)")
+    cache_dir: str = _setting("~/.cache/storyteller", "where a worker keeps what makes its next "
+                                                       "start faster (empty: nowhere)")
     heartbeat_s: float = _setting(1.0, "seconds between worker heartbeats")
     heartbeat_ttl_s: float = _setting(3.0, "seconds without a heartbeat after which a worker is dead")
     answer_ttl_s: int = _setting(300, "seconds a final answer stays readable in Redis")

@@ -12,36 +12,71 @@ import redis
 from shared.protocol import WorkerInfo
 from shared.settings import Settings
 from worker import model_loader
+from worker.continuous import engine as continuous
+from worker.continuous.scheduler import POLICIES
 from worker.job_queue import JobQueue
 from worker.static_engine import StaticEngine
 from worker.worker import Worker
 
-FLAGS = ["redis_url", "model", "model_name", "batch", "wait_ms", "dtype", "device"]
+FLAGS = ["redis_url", "model", "model_name", "engine", "batch", "wait_ms", "dtype", "device",
+         "block_size", "kv_blocks", "kv_memory", "max_batch_tokens", "scheduler", "prefix_caching",
+         "int4_rows", "int4_head", "cache_dir"]
+STATIC_DEFAULT_BATCH = 64
+
+
+def check(settings: Settings) -> None:
+    if settings.engine not in ("continuous", "static"):
+        raise SystemExit(f"--engine {settings.engine!r}: expected continuous or static")
+    if settings.scheduler not in POLICIES:
+        raise SystemExit(f"--scheduler {settings.scheduler!r}: expected one of {', '.join(POLICIES)}")
+    for name in ("batch", "kv_blocks", "int4_rows"):
+        if getattr(settings, name) < 0:
+            raise SystemExit(f"--{name.replace('_', '-')} must be 0 or more")
+    for name in ("block_size", "kv_memory", "max_batch_tokens"):
+        if getattr(settings, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
+
+
+def make_engine(settings: Settings, loaded: model_loader.LoadedModel):
+    """The engine asked for; the static one when the continuous one has no code for the model."""
+    if settings.engine == "continuous":
+        engine = continuous.build(loaded, settings, loaded.weights(), loaded.config)
+        if engine is not None:
+            loaded.tensors = None  # the engine holds what it needs, repacked
+            return engine, loaded
+        if loaded.model is None:  # read as tensors only: the static engine needs transformers' model
+            loaded = model_loader.load(settings.model, settings.model_name, settings.dtype,
+                                       settings.device, cache_dir=settings.cache_dir)
+    return StaticEngine(loaded, capacity=settings.batch or STATIC_DEFAULT_BATCH), loaded
 
 
 def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     settings = Settings.parse(argv, FLAGS, "Storyteller model worker")
-    if settings.batch < 1:
-        raise SystemExit("--batch must be at least 1")
+    check(settings)
+    started = time.time()
     client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=5)
     client.ping()  # fail now, with a clear error, rather than after loading the model
 
-    loaded = model_loader.load(settings.model, settings.model_name, settings.dtype, settings.device)
+    loaded = model_loader.load(settings.model, settings.model_name, settings.dtype, settings.device,
+                               transformers_model=settings.engine == "static", cache_dir=settings.cache_dir)
+    engine, loaded = make_engine(settings, loaded)
+    if loaded.model is not None and engine.name == "continuous":
+        loaded.model = None  # transformers' copy of the weights is not used by the continuous engine
     files = model_loader.tokenizer_files(loaded.tokenizer)
     worker_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     queue = JobQueue(client, worker_id, loaded.name, settings.answer_ttl_s)
     queue.store_tokenizer(files)
-    engine = StaticEngine(loaded, capacity=settings.batch)
     info = WorkerInfo(
         id=worker_id, model=loaded.name, context_window=loaded.context_window, engine=engine.name,
-        batch=settings.batch, device=str(loaded.device), dtype=str(loaded.dtype).removeprefix("torch."),
+        batch=engine.capacity, device=str(loaded.device), dtype=str(loaded.dtype).removeprefix("torch."),
         tokenizer_digest=model_loader.digest(files),
         pid=os.getpid(), host=socket.gethostname(), started=time.time())
     worker = Worker(queue, engine, info, settings)
     worker.install_signal_handlers()
-    logging.info("serving %s (%s, %s, context %d) with batches of up to %d, waiting %g ms to fill",
-                 info.model, info.device, info.dtype, info.context_window, settings.batch, settings.wait_ms)
+    logging.info("serving %s (%s, %s, context %d) on the %s engine, up to %d requests at once; "
+                 "ready %.1f s after start", info.model, info.device, info.dtype, info.context_window,
+                 engine.name, engine.capacity, time.time() - started)
     worker.run()
 
 

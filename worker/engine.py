@@ -33,3 +33,7 @@ class Engine(Protocol):
     def reset(self) -> list[Sequence]:
         """Drop everything (after an error); return what was dropped."""
         ...
+
+    def stats(self) -> dict:
+        """What the worker's heartbeat reports of the engine (requests held, cache usage)."""
+        ...

@@ -73,6 +73,9 @@ class StaticEngine:
     def sequences(self) -> list[Sequence]:
         return self._waiting + self._running
 
+    def stats(self) -> dict:
+        return {"running": len(self._running), "waiting": len(self._waiting)}
+
     def reset(self) -> list[Sequence]:
         dropped = self.sequences()
         self._waiting = []

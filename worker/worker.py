@@ -74,9 +74,11 @@ class Worker:
         room = 0 if self.stopping.is_set() else self.engine.free_slots()
         if not room:
             return
-        block = 0 if self.engine.busy else IDLE_BLOCK_S
+        # A busy engine must not wait for Redis: jobs are taken between steps, whatever is there.
+        busy = self.engine.busy
+        block, fill = (0, 0) if busy else (IDLE_BLOCK_S, self.settings.wait_ms / 1000)
         now = time.time()
-        for job in self.queue.take(room, self.settings.wait_ms / 1000, block):
+        for job in self.queue.take(room, fill, block):
             if job.deadline < now:  # nobody is waiting for it any more
                 self.queue.fail([job.id], "the request's deadline passed before it was decoded", "timeout")
                 continue
@@ -113,6 +115,7 @@ class Worker:
     def _beat(self) -> None:
         while not self._left.wait(self.settings.heartbeat_s):
             try:
+                self.info = replace(self.info, stats=self.engine.stats())
                 self.queue.heartbeat(self.info, self.settings.heartbeat_ttl_s)
                 self.queue.requeue_dead_workers()
             except Exception:  # Redis away for a moment: keep trying, the loop reports its own errors

@@ -1,0 +1,1 @@
+"""Continuous batching: a paged KV cache, a scheduler and hand-written models that step many requests at once."""
