@@ -1,0 +1,134 @@
+"""Who runs each step: each policy's order, the token budget, chunked prefill and preemption."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from shared.protocol import Job, SamplingParams
+from worker.continuous.block_manager import BlockManager
+from worker.continuous.request import Request, Status
+from worker.continuous.scheduler import Scheduler
+from worker.sequence import Sequence
+
+
+class NoTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return ""
+
+
+def request(prompt_len: int, max_tokens: int = 50) -> Request:
+    job = Job(id=f"r{time.monotonic_ns()}", model="m", prompt_ids=list(range(10, 10 + prompt_len)),
+              params=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+              deadline=time.time() + 60)
+    return Request(Sequence(job, NoTokenizer(), frozenset()))
+
+
+def run(plan):
+    """What the engine does after the model ran: count the computed tokens, give ends a token."""
+    for req, count in plan:
+        req.computed += count
+        if req.computed == len(req.tokens):
+            req.append(1)
+            req.status = Status.DECODING
+
+
+def scheduler(policy="fifo", blocks=100, budget=16, block_size=4, margin=0):
+    return Scheduler(BlockManager(blocks, block_size, prefix_caching=False), budget, 64, policy, margin)
+
+
+def test_fifo_runs_decodes_then_ongoing_prefills_then_new_requests():
+    s = scheduler("fifo", budget=16)
+    decoding, long_prompt = request(3), request(40)
+    s.add(decoding)
+    run(s.schedule())  # prefilled, now decoding
+    s.add(long_prompt)
+    run(s.schedule())  # decode + first chunk of the long prompt (15 tokens)
+    newcomer = request(5)
+    s.add(newcomer)
+    plan = s.schedule()
+    assert [(r, n) for r, n in plan] == [(decoding, 1), (long_prompt, 15)]
+    assert newcomer.status is Status.PENDING, "the budget went to the older requests"
+
+
+def test_prefill_first_gives_the_budget_to_prompts_before_decodes():
+    s = scheduler("prefill-first", budget=8)
+    decoding = request(3)
+    s.add(decoding)
+    run(s.schedule())
+    long_prompt = request(20)
+    s.add(long_prompt)
+    plan = s.schedule()
+    assert plan == [(long_prompt, 8)], "the whole budget went to the prompt"
+    run(plan)
+    plan = s.schedule()
+    assert plan == [(long_prompt, 8)]
+    run(plan)
+    plan = s.schedule()
+    assert plan == [(decoding, 1), (long_prompt, 4)], "decodes first in the list, with what is left"
+
+
+def test_a_long_prompt_is_chunked_and_the_others_keep_decoding():
+    s = scheduler("fifo", budget=10)
+    players = [request(2) for _ in range(4)]
+    for p in players:
+        s.add(p)
+    run(s.schedule())
+    long_prompt = request(30)
+    s.add(long_prompt)
+    chunks = []
+    while long_prompt.status is not Status.DECODING:
+        plan = s.schedule()
+        assert [r for r, _ in plan[:4]] == players, "every player decodes every step"
+        chunks += [n for r, n in plan if r is long_prompt]
+        run(plan)
+    assert chunks == [6, 6, 6, 6, 6]
+
+
+def test_admission_waits_for_room_plus_margin():
+    s = scheduler(blocks=5, block_size=4, margin=2)
+    first, second = request(8), request(8)  # 2 blocks each
+    s.add(first)
+    s.add(second)
+    plan = s.schedule()
+    assert [r for r, _ in plan] == [first], "2 + 2 blocks + a margin of 2 do not fit in 5"
+    assert second.status is Status.PENDING
+    roomy = scheduler(blocks=6, block_size=4, margin=2)
+    roomy.add(request(8))
+    roomy.add(request(8))
+    assert len(roomy.schedule()) == 2
+
+
+def test_when_the_pool_runs_out_the_newest_is_set_back_and_resumes_with_its_tokens():
+    s = scheduler(blocks=5, block_size=4, budget=64)
+    old, new = request(4, max_tokens=12), request(4, max_tokens=8)  # 4 and 3 blocks at most
+    s.add(old)
+    run(s.schedule())
+    s.add(new)
+    preempted_with = None
+    while not (old.finished and new.finished):
+        run(s.schedule())
+        if new.preemptions and preempted_with is None:
+            preempted_with = list(new.tokens)
+    assert new.preemptions >= 1 and old.preemptions == 0, "the newest one was set back"
+    assert len(preempted_with) > 4 and preempted_with[:4] == list(range(10, 14)), \
+        "what it had written stays, as prompt"
+    assert len(old.seq.output_ids) == 12 and len(new.seq.output_ids) == 8, "both finished all"
+    s.schedule()
+    assert s.blocks.free == 5
+
+
+def test_the_last_running_request_is_never_preempted():
+    s = scheduler(blocks=2, block_size=4, budget=64)
+    only = request(4, max_tokens=4)  # 8 tokens: exactly the pool
+    s.add(only)
+    while not only.finished:
+        plan = s.schedule()
+        assert plan == [(only, plan[0][1])]
+        run(plan)
+    assert only.preemptions == 0
+
+
+def test_an_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="expected one of"):
+        scheduler("random")
