@@ -49,10 +49,10 @@ class Q41:
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K]."""
         rows, cols = self.shape
-        q = self.q.view(rows, cols // GROUP, GROUP).float()
+        q = self.q.reshape(rows, cols // GROUP, GROUP).float()
         # A multiply then an add, as ggml's reference does, so the result is bit-identical to it
         # (a fused multiply-add would round once instead of twice).
-        return (q * self.d[..., None] + self.m[..., None]).view(rows, cols)
+        return (q * self.d[..., None] + self.m[..., None]).reshape(rows, cols)
 
     @staticmethod
     def cat(parts: list[Q41]) -> Q41:
@@ -68,8 +68,10 @@ class Q41:
         """(packed, scales_and_zeros) for `torch._weight_int4pack_mm_for_cpu(x, packed, 32, scales_and_zeros)`.
 
         `x` must be of `dtype`: the kernel wants scales of the activations' type. It computes
-        w = (q - 8) * scale + zero, so Q4_1's d * q + m is scale = d, zero = m + 8 * d. The values are
-        exact in float32; in bfloat16, d and the zero are rounded to 8 bits of mantissa.
+        w = (q - 8) * scale + zero in float32 and sums in float32, so Q4_1's d * q + m is scale = d,
+        zero = m + 8 * d. In float32 that is the file's weights exactly; in bfloat16, d and the zero
+        are rounded to 8 significant bits, which moves a weight by up to 2^-9 (|q - 8| d + |zero|).
+        The kernel needs N to be a multiple of 16.
         """
         # The CPU kernel takes the nibbles as int32 [N, K] and packs them itself; its second argument
         # (inner k tiles, a CUDA layout parameter) makes no difference on the CPU.

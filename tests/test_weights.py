@@ -1,0 +1,202 @@
+"""worker/continuous/weights.py: the GGUF reader and the Q4_1 form it keeps.
+
+References are independent of the code under test: gguf's own reader and numpy dequantizer for the
+blocks, transformers' GGUF loader for names, row order and config, and x @ W.T for the int4 kernel.
+"""
+from __future__ import annotations
+
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from worker.continuous.weights import Q41, _unpack_q4_1, read_gguf
+from worker.model_loader import PACKAGED_FILE, packaged_model_dir
+
+Q4_1 = gguf.GGMLQuantizationType.Q4_1
+BF16_HALF_ULP = 2.0 ** -8  # bfloat16 keeps 8 significant bits: rounding moves a value by <= 2^-8 of it
+
+
+def _random_q41(rows: int, cols: int, seed: int = 0) -> Q41:
+    g = torch.Generator().manual_seed(seed)
+    # scales and minimums like a real layer's: d > 0 and small, m about -8 d, both float16 values
+    d = (torch.rand(rows, cols // 32, generator=g) * 0.01 + 0.001).half().float()
+    m = (-8 * d * (0.5 + torch.rand(rows, cols // 32, generator=g))).half().float()
+    q = torch.randint(0, 16, (rows, cols), dtype=torch.uint8, generator=g)
+    return Q41(q=q, d=d, m=m)
+
+
+def _reference_dequantize(w: Q41) -> torch.Tensor:
+    """d * q + m written out the long way, one scale per 32 columns."""
+    return w.q.float() * w.d.repeat_interleave(32, dim=1) + w.m.repeat_interleave(32, dim=1)
+
+
+# --- Q41 on its own: no file needed ---------------------------------------------------------------
+
+def test_unpack_follows_the_q4_1_block_layout():
+    # One block by hand: d = 0.5, m = -1, byte i holds weight i in its low nibble and 16 + i in its high.
+    low, high = np.arange(16, dtype=np.uint8), (15 - np.arange(16)).astype(np.uint8)
+    block = np.concatenate([np.array([0.5, -1.0], dtype=np.float16).view(np.uint8), low | (high << 4)])
+    w = _unpack_q4_1(block.reshape(1, 20), 1, 32)
+    assert w.q.dtype == torch.uint8 and w.d.dtype == torch.float32 and w.shape == (1, 32)
+    assert w.q[0].tolist() == low.tolist() + high.tolist()
+    assert w.dequantize()[0].tolist() == [0.5 * q - 1 for q in low.tolist() + high.tolist()]
+
+
+def test_synthetic_q41_cat_rows_and_dequantize_agree_with_float_matrices():
+    a, b = _random_q41(48, 96, seed=1), _random_q41(16, 96, seed=2)
+    dense_a, dense_b = _reference_dequantize(a), _reference_dequantize(b)
+    assert torch.equal(a.dequantize(), dense_a)
+    assert a.shape == (48, 96)
+
+    fused = Q41.cat([a, b])
+    assert fused.shape == (64, 96)
+    assert torch.equal(fused.dequantize(), torch.cat([dense_a, dense_b]))
+
+    order = torch.randperm(64, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(fused.rows(order).dequantize(), torch.cat([dense_a, dense_b])[order])
+    assert torch.equal(fused.rows(torch.tensor([5, 50])).dequantize(), torch.cat([dense_a, dense_b])[[5, 50]])
+
+
+def test_int4_kernel_in_float32_computes_exactly_q4_1():
+    # In float32 nothing is rounded to a narrower type, so this pins the scale/zero formula: an error of
+    # one d in the zero (m + 7 d, say) would be thousands of times the tolerance.
+    w = _random_q41(64, 96, seed=4)
+    x = torch.randn(8, 96, generator=torch.Generator().manual_seed(5))
+    reference = x @ w.dequantize().T
+    tolerance = 1e-5 * (x.abs() @ w.dequantize().abs().T)
+
+    packed, scales_and_zeros = w.pack_int4(torch.float32)
+    assert scales_and_zeros.shape == (96 // 32, 64, 2) and scales_and_zeros.dtype == torch.float32
+    out = torch._weight_int4pack_mm_for_cpu(x, packed, 32, scales_and_zeros)
+    assert ((out - reference).abs() <= tolerance).all()
+
+    # the same check catches a zero without llama.cpp's offset of 8: the test can fail
+    wrong = scales_and_zeros.clone()
+    wrong[..., 1] = w.m.T
+    out = torch._weight_int4pack_mm_for_cpu(x, packed, 32, wrong)
+    assert not ((out - reference).abs() <= tolerance).all()
+
+
+# --- the packaged SmolLM2 file ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gguf_path() -> str:
+    return os.path.join(packaged_model_dir(), PACKAGED_FILE)
+
+
+@pytest.fixture(scope="module")
+def gguf_tensors(gguf_path) -> dict[str, gguf.ReaderTensor]:
+    return {t.name: t for t in gguf.GGUFReader(gguf_path).tensors}
+
+
+@pytest.fixture(scope="module")
+def ours(gguf_path):
+    return read_gguf(gguf_path)
+
+
+def _hf_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """transformers' undoing of llama.cpp's q/k permutation (LlamaTensorProcessor), as it writes it."""
+    dim = w.shape[0] // heads // 2
+    return w.reshape(heads, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+@pytest.mark.slow
+def test_q4_1_unpacking_equals_gguf_dequantize(gguf_tensors, ours):
+    config, tensors = ours
+    raw = gguf_tensors["blk.0.ffn_down.weight"]
+    assert raw.tensor_type == Q4_1
+    reference = torch.from_numpy(gguf.quants.dequantize(raw.data, Q4_1))
+    rows, cols = reference.shape
+
+    unpacked = _unpack_q4_1(np.asarray(raw.data), rows, cols)  # straight from gguf's own view of the bytes
+    assert unpacked.q.max() <= 15 and unpacked.d.shape == (rows, cols // 32)
+    assert torch.equal(unpacked.dequantize(), reference)
+    assert torch.equal(tensors["model.layers.0.mlp.down_proj.weight"].dequantize(), reference)
+
+    # q and k: read_gguf returns them in Hugging Face's row order, still exactly the file's values
+    for gguf_name, hf_name, heads in (
+            ("blk.7.attn_q.weight", "model.layers.7.self_attn.q_proj.weight", config.num_attention_heads),
+            ("blk.7.attn_k.weight", "model.layers.7.self_attn.k_proj.weight", config.num_key_value_heads)):
+        in_file_order = gguf.quants.dequantize(gguf_tensors[gguf_name].data, Q4_1)
+        reference = torch.from_numpy(_hf_rope_rows(in_file_order, heads))
+        assert not torch.equal(reference, torch.from_numpy(in_file_order))  # the permutation is not a no-op
+        assert torch.equal(tensors[hf_name].dequantize(), reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rows", [1, 8])
+def test_int4_kernel_matches_dequantized_matmul_in_bf16(ours, rows):
+    _, tensors = ours
+    layer = "model.layers.3."
+    fused_qkv = Q41.cat([tensors[layer + f"self_attn.{p}_proj.weight"] for p in "qkv"])  # 960 rows
+    for w in (fused_qkv, tensors[layer + "mlp.down_proj.weight"]):
+        n, k = w.shape
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        packed, scales_and_zeros = w.pack_int4(torch.bfloat16)
+        out = torch._weight_int4pack_mm_for_cpu(x, packed, 32, scales_and_zeros).float()
+        assert out.shape == (rows, n) and out.dtype == torch.float32
+        xf = x.float()
+
+        # Exactly what the kernel is meant to compute: (q - 8) * scale + zero with the bf16 scales,
+        # summed in float32, rounded once to bf16 on the way out.
+        scale = scales_and_zeros[..., 0].float().T.repeat_interleave(32, dim=1)
+        zero = scales_and_zeros[..., 1].float().T.repeat_interleave(32, dim=1)
+        kernel_weight = (w.q.float() - 8) * scale + zero
+        reference = xf @ kernel_weight.T
+        summing = 1e-5 * (xf.abs() @ kernel_weight.abs().T)  # float32 summation in another order
+        assert ((out - reference).abs() <= BF16_HALF_ULP * reference.abs() + summing).all()
+
+        # Against the file's exact weights: rounding d and m + 8 d to bf16 moves each weight by at most
+        # half an ulp of each term, 2^-9 (|q - 8| d + |m + 8 d|), on top of the output's rounding.
+        exact = xf @ w.dequantize().T
+        d = w.d.repeat_interleave(32, dim=1)
+        zero_exact = (w.m + 8 * w.d).repeat_interleave(32, dim=1)
+        weight_error = 2.0 ** -9 * ((w.q.float() - 8).abs() * d + zero_exact.abs())
+        bound = BF16_HALF_ULP * exact.abs() + xf.abs() @ weight_error.T + summing
+        assert ((out - exact).abs() <= bound).all()
+
+
+@pytest.fixture(scope="module")
+def transformers_model():
+    # transformers' own GGUF path: gguf's numpy dequantizer and its own q/k un-permutation (~17 s)
+    model = AutoModelForCausalLM.from_pretrained(packaged_model_dir(), gguf_file=PACKAGED_FILE, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.mark.slow
+def test_state_dict_equals_transformers_gguf_load(ours, transformers_model):
+    config, tensors = ours
+    expected = transformers_model.state_dict()
+
+    assert config.tie_word_embeddings
+    assert "lm_head.weight" not in tensors  # tied: the file has no output tensor, nor do we
+    assert set(tensors) == set(expected) - {"lm_head.weight"}
+    assert sum(isinstance(t, Q41) for t in tensors.values()) == 7 * config.num_hidden_layers
+
+    for name, tensor in tensors.items():
+        if isinstance(tensor, Q41):
+            tensor = tensor.dequantize()
+        assert tensor.dtype == torch.float32, name
+        # The same float32 operations as gguf's dequantizer, so the values are identical, not close.
+        assert torch.equal(tensor, expected[name]), name
+
+
+@pytest.mark.slow
+def test_config_equals_transformers_gguf_config(ours, transformers_model):
+    config, _ = ours
+    expected = transformers_model.config
+    for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_parameters", "tie_word_embeddings",
+                  "vocab_size", "max_position_embeddings", "bos_token_id", "eos_token_id", "model_type"):
+        assert getattr(config, field) == getattr(expected, field), field
+    assert config.rope_parameters["rope_theta"] == 100000.0 and config.num_key_value_heads == 3
+
+    # and nothing else differs: the model's config only adds how and from where it was loaded
+    ignored = {"_name_or_path", "dtype", "quantization_config"}
+    ours_dict = {k: v for k, v in config.to_dict().items() if k not in ignored}
+    expected_dict = {k: v for k, v in expected.to_dict().items() if k not in ignored}
+    assert ours_dict == expected_dict
