@@ -5,10 +5,13 @@ import re
 import time
 
 import pytest
+import torch
 
 from shared.protocol import Job, SamplingParams
 from serve import free_port
 from tests.processes import make_client, models_served, start, stop, wait_until
+from shared.settings import Settings
+from worker.continuous import engine as continuous
 from worker.model_loader import PACKAGED, PACKAGED_NAME, load
 from worker.static_engine import StaticEngine
 
@@ -79,3 +82,46 @@ def test_smollm2_batch_writes_what_each_request_writes_alone(smollm2):
     together = [s.output_ids for s in _run(smollm2, jobs)]
     alone = [_run(smollm2, [job])[0].output_ids for job in jobs]
     assert together == alone
+
+
+def _continuous(loaded, settings=Settings(int4_rows=0)):
+    return continuous.build(loaded, settings, loaded.model.state_dict(), loaded.config)
+
+
+def _write_continuous(engine, jobs):
+    seqs = [engine.add(job) for job in jobs]
+    while engine.busy:
+        engine.step()
+    return seqs
+
+
+def test_the_compact_runner_matches_transformers_logits_and_text(smollm2):
+    """The continuous engine's own Llama code on SmolLM2's weights, against transformers' model."""
+    job = _chat_job(smollm2, "c", "Tell a short story about a brave dragon.", 40)
+    engine = _continuous(smollm2)
+    with torch.inference_mode():
+        expected = smollm2.model(input_ids=torch.tensor(job.prompt_ids)[None]).logits[0, -1]
+    engine.add(job)
+    logits, _ = engine.runner.logits(engine.scheduler.schedule())
+    assert torch.allclose(logits[0], expected, atol=1e-3, rtol=0), (logits[0] - expected).abs().max()
+    [story] = _write_continuous(_continuous(smollm2), [job])
+    [reference] = _run(smollm2, [job])
+    assert story.output_ids == reference.output_ids
+
+
+def test_the_continuous_engine_writes_what_the_static_one_writes_for_a_crowd(smollm2):
+    requests = ["Tell a story about a castle.", "Write two sentences about a skeleton guarding a gate at night.",
+                "Describe a tavern.", "Tell a short story about a brave dragon."]
+    jobs = [_chat_job(smollm2, f"j{i}", r, 24) for i, r in enumerate(requests)]
+    together = [s.output_ids for s in _write_continuous(_continuous(smollm2), jobs)]
+    alone = [_run(smollm2, [job])[0].output_ids for job in jobs]
+    assert together == alone
+
+
+def test_the_gguf_read_straight_runs_like_transformers_load(smollm2):
+    """The fast path (GGUF blocks read by our reader, no transformers model) writes the same text."""
+    direct = load(PACKAGED, dtype="float32", device="cpu", transformers_model=False)
+    assert direct.model is None and direct.eos_ids == smollm2.eos_ids
+    job = _chat_job(smollm2, "d", "Tell a short story about a knight.", 30)
+    engine = continuous.build(direct, Settings(int4_rows=0), direct.weights(), direct.config)
+    assert _write_continuous(engine, [job])[0].output_ids == _run(smollm2, [job])[0].output_ids

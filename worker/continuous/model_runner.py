@@ -23,13 +23,18 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, plan: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
         """Compute the plan; returns (request, new token) for each request that reached its end."""
-        ids, positions, step, last_rows, sampled = self._layout(plan)
-        hidden = self.model.forward(ids, positions, self.cache, step)
+        logits, sampled = self.logits(plan)
         if not sampled:
             return []
-        logits = self.model.logits(hidden[last_rows])
         tokens = sample(logits, [r.seq.params for r in sampled], [r.seq.generator for r in sampled])
         return list(zip(sampled, tokens))
+
+    @torch.inference_mode()
+    def logits(self, plan: list[tuple[Request, int]]) -> tuple[torch.Tensor, list[Request]]:
+        """The forward pass: next-token logits of the requests that reached their end, and who they are."""
+        ids, positions, step, last_rows, sampled = self._layout(plan)
+        hidden = self.model.forward(ids, positions, self.cache, step)
+        return (self.model.logits(hidden[last_rows]) if sampled else None), sampled
 
     def _layout(self, plan):
         size = self.block_size
