@@ -53,6 +53,8 @@ class Settings:
                                  "when a step has at most this many tokens (0: never)")
     int4_head: bool = _setting(False, "also requantize the output head to 4 bits (faster, less "
                                       "exact)")
+    torch_threads: int = _setting(0, "threads for the model's arithmetic (0: torch's choice, one "
+                                     "per core)")
     cache_dir: str = _setting("~/.cache/storyteller", "where a worker keeps what makes its next "
                                                        "start faster (empty: nowhere)")
     heartbeat_s: float = _setting(1.0, "seconds between worker heartbeats")

@@ -8,6 +8,7 @@ import time
 import uuid
 
 import redis
+import torch
 
 from shared.protocol import WorkerInfo
 from shared.settings import Settings
@@ -20,7 +21,7 @@ from worker.worker import Worker
 
 FLAGS = ["redis_url", "model", "model_name", "engine", "batch", "wait_ms", "dtype", "device",
          "block_size", "kv_blocks", "kv_memory", "max_batch_tokens", "scheduler", "prefix_caching",
-         "int4_rows", "int4_head", "cache_dir"]
+         "int4_rows", "int4_head", "torch_threads", "cache_dir"]
 STATIC_DEFAULT_BATCH = 64
 
 
@@ -29,7 +30,7 @@ def check(settings: Settings) -> None:
         raise SystemExit(f"--engine {settings.engine!r}: expected continuous or static")
     if settings.scheduler not in POLICIES:
         raise SystemExit(f"--scheduler {settings.scheduler!r}: expected one of {', '.join(POLICIES)}")
-    for name in ("batch", "kv_blocks", "int4_rows"):
+    for name in ("batch", "kv_blocks", "int4_rows", "torch_threads"):
         if getattr(settings, name) < 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be 0 or more")
     for name in ("block_size", "kv_memory", "max_batch_tokens"):
@@ -55,6 +56,8 @@ def main(argv=None) -> None:
     settings = Settings.parse(argv, FLAGS, "Storyteller model worker")
     check(settings)
     started = time.time()
+    if settings.torch_threads:
+        torch.set_num_threads(settings.torch_threads)
     client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=5)
     client.ping()  # fail now, with a clear error, rather than after loading the model
 

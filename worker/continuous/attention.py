@@ -58,13 +58,10 @@ def write(cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor, slots: t
 
 def attend(q: torch.Tensor, cache: KVCache, layer: int, step: StepLayout, scale: float) -> torch.Tensor:
     """q: [tokens, heads, head_dim], after this step's K and V were written. Returns the same shape."""
-    out = torch.empty_like(q)
-    if step.decodes:
-        out[:step.decodes] = _decode(q[:step.decodes], cache.k[layer], cache.v[layer], step, scale)
-    for chunk in step.chunks:
-        out[chunk.start:chunk.end] = _prefill(q[chunk.start:chunk.end], cache.k[layer],
-                                              cache.v[layer], chunk, scale)
-    return out
+    k, v = cache.k[layer], cache.v[layer]
+    parts = [_decode(q[:step.decodes], k, v, step, scale)] if step.decodes else []
+    parts += [_prefill(q[c.start:c.end], k, v, c, scale) for c in step.chunks]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _decode(q, k_cache, v_cache, step: StepLayout, scale: float) -> torch.Tensor:

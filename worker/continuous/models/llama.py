@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, rotate_half
 
 from worker.continuous import attention
 from worker.continuous.attention import KVCache, StepLayout
@@ -71,15 +71,15 @@ class Llama:
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 step: StepLayout) -> torch.Tensor:
         x = F.embedding(ids, self.embed)
-        cos, sin = self.cos[positions], self.sin[positions]
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
         tokens = ids.shape[0]
-        q_end, k_end = self.heads * self.head_dim, (self.heads + self.kv_heads) * self.head_dim
+        k_end = (self.heads + self.kv_heads) * self.head_dim
         for layer, b in enumerate(self.blocks):
             qkv = b["qkv"](F.rms_norm(x, x.shape[-1:], b["norm1"], self.eps))
-            q = qkv[:, :q_end].view(tokens, self.heads, self.head_dim)
-            k = qkv[:, q_end:k_end].view(tokens, self.kv_heads, self.head_dim)
+            # Queries and keys are rotated together: one set of operations instead of two.
+            qk = rotate(qkv[:, :k_end].view(tokens, -1, self.head_dim), cos, sin)
+            q, k = qk[:, :self.heads], qk[:, self.heads:]
             v = qkv[:, k_end:].view(tokens, self.kv_heads, self.head_dim)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
             attention.write(cache, layer, k, v, step.slots)
             out = attention.attend(q, cache, layer, step, self.scale)
             x = x + b["o"](out.view(tokens, -1))
@@ -89,3 +89,8 @@ class Llama:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(F.rms_norm(hidden, hidden.shape[-1:], self.norm, self.eps))
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding, as transformers' Llama applies it (halves, not interleaved pairs)."""
+    return x * cos + rotate_half(x) * sin
