@@ -9,42 +9,21 @@ tokens/s as a ratio to the first batch size, and writes JSON and a chart of all 
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
-import subprocess
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from bench import stack as stacks
 from bench.load import format_row, plot, run_crowd, write_results
-from serve import free_port, wait_until_served
 
 
 @contextmanager
-def stack(batch: int, model: str, wait_ms: float, logs: Path):
-    """A private redis-server, the API and one worker; yields the API's base URL and model name."""
-    redis_port, api_port = free_port(), free_port()
-    # One at a time, the last of 64 players x 4 requests waits ~20 minutes: the default request
-    # timeout (5 minutes) would turn that wait into errors, and throughput is what is measured.
-    env = dict(os.environ, REDIS_URL=f"redis://127.0.0.1:{redis_port}/0", PORT=str(api_port),
-               MODEL=model, BATCH=str(batch), WAIT_MS=str(wait_ms), REQUEST_TIMEOUT="3600")
-    logs.mkdir(parents=True, exist_ok=True)
-    commands = [[shutil.which("redis-server") or sys.exit("redis-server is needed"), "--port",
-                 str(redis_port), "--save", "", "--appendonly", "no"],
-                [sys.executable, "-m", "api"], [sys.executable, "-m", "worker"]]
-    processes = []
-    try:
-        for name, command in zip(("redis", "api", "worker"), commands):
-            log = open(logs / f"batch{batch}-{name}.log", "w")
-            processes.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
-            time.sleep(0.3)
-        url = f"http://127.0.0.1:{api_port}/v1"
-        yield url, wait_until_served(url, processes)[0]
-    finally:
-        for process in reversed(processes):  # the worker first, Redis last
-            process.terminate()
-            process.wait(60)
+def stack(batch: int, model: str, wait_ms: float, logs: Path, engine: str = "static"):
+    """A private redis-server, the API and one worker with --batch `batch`; yields the API's base
+    URL and model name. (bench.stack.stack is the general form, for any worker settings.)"""
+    env = {"ENGINE": engine, "BATCH": str(batch), "WAIT_MS": str(wait_ms)}
+    with stacks.stack(env, model, logs, label=f"{engine}-batch{batch}") as running:
+        yield running.url, running.model
 
 
 def main(argv=None) -> int:
@@ -55,12 +34,16 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=100, help="max_tokens per request (ignore_eos)")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--wait", type=float, default=5.0, help="worker --wait, ms")
+    ap.add_argument("--engine", default="static",
+                    help="worker ENGINE: this sweep of --batch was measured on the static one "
+                         "(bench.engines compares engines)")
     ap.add_argument("--out", default="bench/results/compare", help="writes <out>.json and <out>.png")
     args = ap.parse_args(argv)
 
     runs = []
     for batch in args.batches:
-        with stack(batch, args.model, args.wait, Path("bench/results/logs")) as (url, model):
+        with stack(batch, args.model, args.wait, Path("bench/results/logs"),
+                   args.engine) as (url, model):
             run = {"label": f"--batch {batch}", "batch": batch, "url": url, "model": model,
                    "tokens": args.tokens, "requests": args.requests, "ignore_eos": True, "rows": []}
             run_crowd(url, model, 1, 1, 8, progress=False)  # warm-up: the first pass is slower

@@ -6,89 +6,66 @@ Other scripts can import run_crowd / write_results / plot to compare servers.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
-import math
 import random
 import statistics
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 from tqdm import tqdm
 
-WORDS = ("sword", "gate", "skeleton", "dragon", "castle", "forest", "potion", "wizard",
-         "goblin", "treasure", "map", "tavern", "knight", "shield", "dungeon", "elf",
-         "troll", "scroll", "amulet", "bow", "ghost", "river", "tower", "crown")
+from bench.client import (REQUEST_ERRORS, Outcome, complete, describe_error, get_first_model,
+                          request)
+from bench.prompts import WORDS, RequestShape, make_prompt  # noqa: F401 (this module's old API)
+from bench.stats import gap_summary, gaps, p95, rounded
+
 WARMUP_TOKENS = 8
 MAX_ERROR_SAMPLES = 5
-# Everything a request can fail with: URLError/HTTPError/timeouts/resets are
-# OSErrors, truncated bodies are HTTPExceptions, bad JSON is a ValueError.
-REQUEST_ERRORS = (OSError, http.client.HTTPException, ValueError, KeyError, TypeError)
 COLUMNS = ("players", "ok", "errors", "wall s", "tok/s", "median s", "p95 s", "ms/tok")
+STREAM_COLUMNS = ("TTFT med", "TTFT p95", "gap med", "gap p95", "gap max")
 
 
-def make_prompt(rng: random.Random) -> str:
-    words = [("an " if w[0] in "aeiou" else "a ") + w for w in rng.sample(WORDS, 3)]
-    return f"Write a short story about {words[0]}, {words[1]} and {words[2]}.\n"
-
-
-def describe_error(exc: BaseException) -> str:
-    # HTTPError is a URLError, so it must be checked first to keep its status.
-    if isinstance(exc, urllib.error.HTTPError):
-        try:
-            body = json.loads(exc.read())
-            message = body.get("error", {}).get("message") or body.get("detail") or body
-        except Exception:  # a non-JSON error page: the reason phrase will do
-            message = exc.reason
-        return f"HTTP {exc.code}: {message}"
-    if isinstance(exc, urllib.error.URLError):
-        return f"connection failed: {exc.reason}"
-    if isinstance(exc, TimeoutError):
-        return "timed out"
-    if isinstance(exc, (ValueError, KeyError, TypeError)):
-        return f"bad response: {type(exc).__name__}: {exc}"
-    return f"{type(exc).__name__}: {exc}"
-
-
-def get_first_model(url: str, timeout: float = 10) -> str | None:
-    """The first model id the server lists, or None if it lists none."""
-    with urllib.request.urlopen(f"{url.rstrip('/')}/models", timeout=timeout) as resp:
-        models = json.loads(resp.read()).get("data") or []
-    return models[0]["id"] if models else None
-
-
-def complete(url: str, model: str, prompt: str, tokens: int, temperature: float,
-             ignore_eos: bool, timeout: float) -> tuple[float, int]:
-    """One completion; returns (seconds, completion_tokens) or raises."""
-    body = {"model": model, "prompt": prompt, "max_tokens": tokens,
-            "temperature": temperature, "ignore_eos": ignore_eos}
-    req = urllib.request.Request(f"{url}/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    start = time.perf_counter()
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        reply = json.loads(resp.read())
-    # Stop the clock only after the whole body is read: that is what a player waits for.
-    return time.perf_counter() - start, int(reply["usage"]["completion_tokens"])
-
-
-def p95(values: list[float]) -> float:
-    """Nearest-rank 95th percentile: the smallest value that at least 95% of
-    the requests finished within (with few samples this is the maximum)."""
-    ordered = sorted(values)
-    return ordered[math.ceil(0.95 * len(ordered)) - 1]
+def summarize(players: int, outcomes: list[Outcome], errors: list[str], seconds: float,
+              stream: bool = False) -> dict:
+    """One row of results from a crowd's outcomes (latencies in seconds, gaps in ms; None where
+    nothing succeeded). Tokens are the completion tokens the server reported, so a crowd that
+    honours EOS is credited only with what it really wrote."""
+    latencies = [o.seconds for o in outcomes]
+    per_token = [o.seconds / o.completion_tokens for o in outcomes if o.completion_tokens > 0]
+    prompt_tokens = [o.prompt_tokens for o in outcomes if o.prompt_tokens is not None]
+    total_tokens = sum(o.completion_tokens for o in outcomes)
+    row = {"players": players, "requests": len(outcomes), "errors": len(errors),
+           "seconds": round(seconds, 3), "tokens": total_tokens,
+           "tokens_per_s": round(total_tokens / seconds, 2) if seconds > 0 else None,
+           "median_s": rounded(statistics.median, latencies, 4),
+           "p95_s": rounded(p95, latencies, 4),
+           # The slowest request explains a wall time far above p95 (one stalled request).
+           "max_s": rounded(max, latencies, 4),
+           "median_s_per_token": rounded(statistics.median, per_token, 5),
+           "prompt_tokens_median": rounded(statistics.median, prompt_tokens, 1),
+           "stream": stream,
+           "error_samples": list(dict.fromkeys(errors))[:MAX_ERROR_SAMPLES]}
+    if stream:
+        ttfts = [o.ttft for o in outcomes if o.ttft is not None]
+        row["ttft_median_s"] = rounded(statistics.median, ttfts, 4)
+        row["ttft_p95_s"] = rounded(p95, ttfts, 4)
+        # Gaps within each request only: the wait before a request's first token is its TTFT.
+        row.update(gap_summary(g for o in outcomes for g in gaps(o.chunk_times)))
+    return row
 
 
 def run_crowd(url: str, model: str, players: int, requests: int = 4, tokens: int = 100, *,
               temperature: float = 0.8, ignore_eos: bool = True, timeout: float = 600,
-              seed: int = 0, progress: bool = True) -> dict:
-    """Let `players` threads each send `requests` completions back to back and
-    return one row of results (latencies in seconds, None if nothing succeeded)."""
+              seed: int = 0, progress: bool = True, shape: RequestShape | None = None,
+              stream: bool = False) -> dict:
+    """Let `players` threads each send `requests` completions back to back and return one row
+    of results. Each request is drawn from `shape` (default: the classic short prompt and
+    exactly `tokens` tokens), with player i's own random.Random(seed + i)."""
+    shape = shape or RequestShape.fixed(tokens)
     url, lock, go = url.rstrip("/"), threading.Lock(), threading.Event()
-    done: list[tuple[float, int]] = []  # (seconds, completion tokens) per ok request
+    done: list[Outcome] = []
     errors: list[str] = []
     bar = tqdm(total=players * requests, desc=f"{players} players", unit="req",
                file=sys.stderr, leave=False, disable=not progress)
@@ -97,9 +74,10 @@ def run_crowd(url: str, model: str, players: int, requests: int = 4, tokens: int
         rng = random.Random(seed + index)
         go.wait()
         for _ in range(requests):
+            prompt, max_tokens = shape.draw(rng)
             try:
-                result = complete(url, model, make_prompt(rng), tokens, temperature,
-                                  ignore_eos, timeout)
+                result = request(url, model, prompt, max_tokens, temperature=temperature,
+                                 ignore_eos=ignore_eos, timeout=timeout, stream=stream)
             except REQUEST_ERRORS as exc:
                 with lock:
                     errors.append(describe_error(exc))
@@ -123,28 +101,14 @@ def run_crowd(url: str, model: str, players: int, requests: int = 4, tokens: int
     finally:
         # Closing also silences the bar for players still running after Ctrl-C.
         bar.close()
-    seconds = time.perf_counter() - start
-
-    latencies = [s for s, _ in done]
-    per_token = [s / n for s, n in done if n > 0]
-    total_tokens = sum(n for _, n in done)
-    def stat(func, values, digits):  # None, not a crash, when every request failed
-        return round(func(values), digits) if values else None
-
-    return {"players": players, "requests": len(done), "errors": len(errors),
-            "seconds": round(seconds, 3), "tokens": total_tokens,
-            "tokens_per_s": round(total_tokens / seconds, 2),
-            "median_s": stat(statistics.median, latencies, 4),
-            "p95_s": stat(p95, latencies, 4),
-            # The slowest request explains a wall time far above p95 (one stalled request).
-            "max_s": stat(max, latencies, 4),
-            "median_s_per_token": stat(statistics.median, per_token, 5),
-            "error_samples": list(dict.fromkeys(errors))[:MAX_ERROR_SAMPLES]}
+    return summarize(players, done, errors, time.perf_counter() - start, stream)
 
 
-def format_row(row: dict | None) -> str:
+def format_row(row: dict | None, stream: bool = False) -> str:
+    """A table line for `row`, or the header when row is None; a streamed crowd's line (and the
+    header with stream=True) also has TTFT in seconds and the gaps between chunks in ms."""
     if row is None:  # the header
-        cells = COLUMNS
+        cells = COLUMNS + (STREAM_COLUMNS if stream else ())
     else:
         def num(value, fmt):
             return "-" if value is None else format(value, fmt)
@@ -152,6 +116,10 @@ def format_row(row: dict | None) -> str:
         cells = (row["players"], row["requests"], row["errors"], num(row["seconds"], ".2f"),
                  num(row["tokens_per_s"], ".1f"), num(row["median_s"], ".3f"),
                  num(row["p95_s"], ".3f"), num(ms_tok, ".1f"))
+        if row.get("stream"):
+            cells += (num(row["ttft_median_s"], ".3f"), num(row["ttft_p95_s"], ".3f"),
+                      num(row["gap_median_ms"], ".1f"), num(row["gap_p95_ms"], ".1f"),
+                      num(row["gap_max_ms"], ".1f"))
     return "  ".join(f"{c:>9}" for c in cells)
 
 
@@ -179,7 +147,10 @@ def plot(runs: list[dict], path: str | Path) -> None:
     from matplotlib.lines import Line2D
     from matplotlib.ticker import NullLocator
 
-    fig, (ax_tps, ax_lat) = plt.subplots(1, 2, figsize=(13, 5.2), layout="constrained")
+    streamed = any(r.get("stream") for run in runs for r in run["rows"])
+    fig, axes = plt.subplots(1, 3 if streamed else 2, figsize=(19 if streamed else 13, 5.2),
+                             layout="constrained")
+    ax_tps, ax_lat = axes[0], axes[1]
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, run in enumerate(runs):
         colour = colours[i % len(colours)]
@@ -188,10 +159,19 @@ def plot(runs: list[dict], path: str | Path) -> None:
         ax_tps.plot(xs, [r["tokens_per_s"] for r in rows], "o-", color=colour, label=run["label"])
         ax_lat.plot(xs, [r["median_s"] for r in rows], "o-", color=colour, label=run["label"])
         ax_lat.plot(xs, [r["p95_s"] for r in rows], "s--", color=colour, alpha=0.7)
+        if streamed:
+            rows = [r for r in rows if r.get("ttft_median_s") is not None]
+            xs = [r["players"] for r in rows]
+            axes[2].plot(xs, [r["ttft_median_s"] for r in rows], "o-", color=colour,
+                         label=run["label"])
+            axes[2].plot(xs, [r["ttft_p95_s"] for r in rows], "s--", color=colour, alpha=0.7)
 
     ticks = sorted({r["players"] for run in runs for r in run["rows"]})
-    for ax, title, ylabel in ((ax_tps, "Throughput", "output tokens / s (all players)"),
-                              (ax_lat, "Request latency", "seconds per request")):
+    panels = [(ax_tps, "Throughput", "output tokens / s (all players)"),
+              (ax_lat, "Request latency", "seconds per request")]
+    if streamed:
+        panels.append((axes[2], "Time to first token", "seconds"))
+    for ax, title, ylabel in panels:
         ax.set(title=title, ylabel=ylabel, xlabel="players (concurrent clients)")
         ax.set_xscale("log", base=2)
         # Label exactly the crowd sizes measured, not powers of two matplotlib picks.
@@ -203,10 +183,11 @@ def plot(runs: list[dict], path: str | Path) -> None:
     ax_lat.set_yscale("log")
     ax_tps.legend(title="run")
     # Colour says which run, line style says which statistic; say so once in the legend.
-    handles, _ = ax_lat.get_legend_handles_labels()
-    handles += [Line2D([], [], color="grey", ls="-", label="median"),
-                Line2D([], [], color="grey", ls="--", label="p95")]
-    ax_lat.legend(handles=handles)
+    for ax in axes[1:]:
+        handles, _ = ax.get_legend_handles_labels()
+        handles += [Line2D([], [], color="grey", ls="-", label="median"),
+                    Line2D([], [], color="grey", ls="--", label="p95")]
+        ax.legend(handles=handles)
     if runs:
         desc = {f"{r['tokens']} tokens x {r['requests']} requests per player" for r in runs}
         fig.suptitle("Storyteller crowd load: " + "; ".join(sorted(desc)))
@@ -215,23 +196,48 @@ def plot(runs: list[dict], path: str | Path) -> None:
     plt.close(fig)
 
 
+def shape_from_args(args) -> RequestShape:
+    tokens = tuple(args.max_tokens) if args.max_tokens else (args.tokens, args.tokens)
+    return RequestShape(max_tokens=tokens,
+                        prompt_tokens=tuple(args.prompt_tokens) if args.prompt_tokens else None,
+                        system_tokens=args.system_prompt_tokens)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--url", default="http://127.0.0.1:8000/v1", help="API base URL")
     ap.add_argument("--model", help="model id (default: first from GET {url}/models)")
     ap.add_argument("--players", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--requests", type=int, default=4, help="requests per player")
-    ap.add_argument("--tokens", type=int, default=100, help="max_tokens per request")
-    ap.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                    help="ask for exactly --tokens tokens so every config does equal work")
+    ap.add_argument("--tokens", type=int, default=100, help="max_tokens of every request")
+    ap.add_argument("--max-tokens", type=int, nargs=2, metavar=("MIN", "MAX"),
+                    help="max_tokens drawn at random per request, instead of --tokens")
+    ap.add_argument("--prompt-tokens", type=int, nargs=2, metavar=("MIN", "MAX"),
+                    help="prompts of a random length in this range, in approximate tokens "
+                         "(default: a one-line request of ~20 tokens)")
+    ap.add_argument("--system-prompt-tokens", type=int, default=0, metavar="N",
+                    help="every prompt starts with the same ~N-token lore text (a shared prefix)")
+    eos = ap.add_mutually_exclusive_group()
+    eos.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                     help="ask for exactly max_tokens tokens so every config does equal work")
+    eos.add_argument("--honor-eos", dest="ignore_eos", action="store_false",
+                     help="let answers end at end-of-text (same as --no-ignore-eos); tokens/s "
+                          "then counts the tokens really written")
+    ap.add_argument("--stream", action="store_true",
+                    help="stream the answers and report time to first token and the gaps "
+                         "between chunks")
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--label", default="server", help="name of this configuration")
     ap.add_argument("--out", default="bench/results/load", help="writes <out>.json and <out>.png")
     ap.add_argument("--append", action="store_true",
                     help="add to <out>.json (replacing a run with the same label)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per request")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="player i draws its requests from seed + i")
     args = ap.parse_args(argv)
+    try:
+        shape = shape_from_args(args)
+    except ValueError as exc:
+        ap.error(str(exc))
     url = args.url.rstrip("/")
     json_path, png_path = Path(args.out + ".json"), Path(args.out + ".png")
 
@@ -249,18 +255,23 @@ def main(argv: list[str] | None = None) -> int:
     # Read earlier runs once, then rewrite after every crowd so an interrupted
     # benchmark still leaves its finished rows on disk.
     previous = load_runs(json_path) if args.append else []
-    run = {"label": args.label, "url": url, "model": model, "tokens": args.tokens,
-           "requests": args.requests, "ignore_eos": args.ignore_eos,
-           "temperature": args.temperature, "rows": []}
-    print(f"# {args.label}: {model} at {url}, {args.requests} requests x "
-          f"{args.tokens} tokens per player")
-    print(format_row(None), flush=True)
+    low, high = shape.max_tokens
+    run = {"label": args.label, "url": url, "model": model,
+           "tokens": low if low == high else f"{low}-{high}", "requests": args.requests,
+           "ignore_eos": args.ignore_eos, "temperature": args.temperature,
+           "prompt_tokens": shape.prompt_tokens, "system_prompt_tokens": shape.system_tokens,
+           "stream": args.stream, "seed": args.seed, "rows": []}
+    print(f"# {args.label}: {model} at {url}, {args.requests} requests per player, "
+          f"{shape.describe()}, EOS {'ignored' if args.ignore_eos else 'honoured'}"
+          f"{', streamed' if args.stream else ''}")
+    print(format_row(None, args.stream), flush=True)
     interrupted = False
     try:
         for players in args.players:
             row = run_crowd(url, model, players, args.requests, args.tokens,
                             temperature=args.temperature, ignore_eos=args.ignore_eos,
-                            timeout=args.timeout, seed=args.seed)
+                            timeout=args.timeout, seed=args.seed, shape=shape,
+                            stream=args.stream)
             run["rows"].append(row)
             print(format_row(row), flush=True)
             for message in row["error_samples"]:

@@ -1,0 +1,90 @@
+"""Where one decode step of the continuous engine spends its time, in-process (no Redis, no API).
+
+Fills the engine with B requests, lets them decode a few steps, then times steps (median of N)
+and profiles a few with torch.profiler. Prints a table per batch size: step time, tokens/s, and
+the operators that took the most time; writes JSON.
+
+    python -m bench.profile_step --batches 1 16 64 --threads 2 --out docs/profile
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from shared.protocol import Job, SamplingParams
+from shared.settings import Settings
+from worker.continuous import engine as continuous
+from worker.model_loader import load
+
+
+def filled_engine(loaded, settings: Settings, batch: int, context: int):
+    engine = continuous.build(loaded, settings, loaded.weights(), loaded.config)
+    prompt = loaded.tokenizer.encode("Write a short story about a dragon, a gate and a skeleton.\n")
+    for i in range(batch):
+        engine.add(Job(id=f"p{i}", model="m", prompt_ids=[*prompt, i % 1000 + 100],
+                       params=SamplingParams(max_tokens=context + 1000, temperature=0, ignore_eos=True),
+                       deadline=time.time() + 3600))
+    while min((r.computed for r in engine.scheduler.running), default=0) < context:
+        engine.step()
+    return engine
+
+
+def profile_batch(loaded, settings: Settings, batch: int, steps: int, context: int) -> dict:
+    engine = filled_engine(loaded, settings, batch, context)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            engine.step()
+    total = sum(e.self_cpu_time_total for e in prof.key_averages())
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
+    step_ms = statistics.median(times) * 1000
+    return {"batch": batch, "step_ms": step_ms, "tokens_per_s": batch / step_ms * 1000,
+            "ops": [{"name": e.key, "share": e.self_cpu_time_total / total,
+                     "ms_per_step": e.self_cpu_time_total / 3000, "calls_per_step": e.count / 3}
+                    for e in ops]}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--steps", type=int, default=20, help="steps timed per batch size")
+    parser.add_argument("--context", type=int, default=64, help="tokens each request holds when timed")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's choice)")
+    parser.add_argument("--int4-rows", type=int, default=Settings.int4_rows)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--out", default="bench/results/profile")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    loaded = load("smollm2", dtype=args.dtype, transformers_model=False,
+                  cache_dir=Settings.cache_dir)
+    settings = Settings(int4_rows=args.int4_rows, kv_memory=512)
+    results = []
+    for batch in args.batches:
+        r = profile_batch(loaded, settings, batch, args.steps, args.context)
+        results.append(r)
+        print(f"\nbatch {batch}: {r['step_ms']:.1f} ms per step, {r['tokens_per_s']:.0f} tokens/s "
+              f"({torch.get_num_threads()} threads, int4 up to {args.int4_rows} rows)")
+        print(f"  {'operator':<36} {'share':>6} {'ms/step':>8} {'calls':>6}")
+        for op in r["ops"]:
+            print(f"  {op['name']:<36} {op['share']:>6.1%} {op['ms_per_step']:>8.2f} {op['calls_per_step']:>6.0f}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(
+        {"threads": torch.get_num_threads(), "int4_rows": args.int4_rows, "context": args.context,
+         "results": results}, indent=1))
+    print(f"\nwrote {out.with_suffix('.json')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""A private Storyteller for one benchmark configuration: a redis-server, the API and one worker.
+
+Each configuration gets its own stack, on free ports, so configurations never share a queue or a
+warm cache, and the worker's settings are nothing but environment variables: the same settings
+`serve.sh` and `python -m worker` read.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+
+from serve import free_port, wait_until_served
+from shared import keys
+
+LOG_TAIL_LINES = 30
+
+
+class StackError(RuntimeError):
+    """The stack did not come up (a process exited, or no worker announced itself)."""
+
+
+@dataclass
+class Running:
+    url: str  # the API's base URL, .../v1
+    model: str  # the model name the worker serves
+    redis_url: str
+    logs: dict[str, Path]  # process name -> its log file
+
+    def workers(self) -> list[dict]:
+        """What the live workers announce in their heartbeats (engine, batch, dtype...), read
+        straight from Redis so a benchmark records which engine really ran."""
+        client = redis.Redis.from_url(self.redis_url, socket_connect_timeout=2)
+        ids = client.hkeys(keys.WORKERS)
+        beats = client.mget([keys.heartbeat(i.decode()) for i in ids]) if ids else []
+        return [json.loads(b) for b in beats if b is not None]
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def safe_name(label: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", label)
+
+
+@contextmanager
+def stack(env: dict[str, str], model: str = "smollm2", logs: Path = Path("bench/results/logs"),
+          label: str = "stack"):
+    """Start the stack with `env` added to this process's environment; yield a Running.
+
+    Logs go to <logs>/<label>-{redis,api,worker}.log. Raises StackError if it does not come up.
+    """
+    redis_port, api_port = free_port(), free_port()
+    redis_url = f"redis://127.0.0.1:{redis_port}/0"
+    # One at a time, the last of 64 players x 4 requests waits ~20 minutes: the default request
+    # timeout (5 minutes) would turn that wait into errors, and throughput is what is measured.
+    full_env = dict(os.environ, REQUEST_TIMEOUT="3600", MODEL=model)
+    full_env.update({k: str(v) for k, v in env.items()})
+    full_env.update(REDIS_URL=redis_url, PORT=str(api_port))  # always this stack's own
+    logs.mkdir(parents=True, exist_ok=True)
+    redis_server = shutil.which("redis-server") or sys.exit("redis-server is needed")
+    commands = {"redis": [redis_server, "--port", str(redis_port), "--save", "",
+                          "--appendonly", "no"],
+                "api": [sys.executable, "-m", "api"],
+                "worker": [sys.executable, "-m", "worker"]}
+    log_paths = {name: logs / f"{safe_name(label)}-{name}.log" for name in commands}
+    processes = []
+    try:
+        for name, command in commands.items():
+            with open(log_paths[name], "w") as log:  # the child keeps its own copy of the fd
+                processes.append(subprocess.Popen(command, env=full_env, stdout=log,
+                                                  stderr=subprocess.STDOUT))
+            time.sleep(0.3)
+        url = f"http://127.0.0.1:{api_port}/v1"
+        try:
+            served = wait_until_served(url, processes)
+        except SystemExit as exc:  # serve.py's way of saying it; here one config may fail alone
+            raise StackError(f"{label}: {exc}\n--- worker log ---\n{log_tail(log_paths['worker'])}"
+                             f"\n--- api log ---\n{log_tail(log_paths['api'], 10)}") from None
+        yield Running(url, served[0], redis_url, log_paths)
+    finally:
+        for process in reversed(processes):  # the worker first, Redis last
+            process.terminate()
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
