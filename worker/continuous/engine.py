@@ -7,12 +7,13 @@ that reach their end get a token, and those that finish give their blocks back a
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
 from shared.protocol import Job
 from shared.settings import Settings
-from worker.continuous import models
+from worker.continuous import kernels, models
 from worker.continuous.attention import KVCache
 from worker.continuous.block_manager import BlockManager
 from worker.continuous.model_runner import ModelRunner
@@ -43,9 +44,11 @@ class ContinuousEngine:
         margin = max(1, blocks // 100)
         self.scheduler = Scheduler(self.blocks, settings.max_batch_tokens, self.capacity,
                                    settings.scheduler, margin)
-        cache = KVCache(model.layers, model.kv_heads, model.head_dim, blocks * size, loaded.dtype,
+        cache = KVCache(model.layers, model.kv_heads, model.head_dim, blocks, size, loaded.dtype,
                         loaded.device)
-        self.runner = ModelRunner(model, cache, size, loaded.device)
+        kernel = kernels.paged_decode(os.path.join(settings.cache_dir, "kernels")) \
+            if loaded.device.type == "cpu" and settings.cache_dir else None
+        self.runner = ModelRunner(model, cache, size, loaded.device, kernel)
         log.info("KV cache: %d blocks of %d tokens (%.0f MiB); up to %d requests, %d tokens a step, "
                  "%s scheduler, prefix caching %s", blocks, size, cache.k.nbytes * 2 / MIB, self.capacity,
                  settings.max_batch_tokens, settings.scheduler, "on" if settings.prefix_caching else "off")

@@ -14,8 +14,9 @@ from worker.sampling import sample
 
 
 class ModelRunner:
-    def __init__(self, model, cache: KVCache, block_size: int, device: torch.device):
+    def __init__(self, model, cache: KVCache, block_size: int, device: torch.device, kernel=None):
         self.model = model
+        self.kernel = kernel  # the C++ decode attention, where it was built
         self.cache = cache
         self.block_size = block_size
         self.device = device
@@ -55,7 +56,8 @@ class ModelRunner:
         dev = self.device
         step = StepLayout(slots=torch.tensor(slots, device=dev), decodes=len(decodes))
         if decodes:
-            step.decode_slots, step.decode_bias = self._decode_context(decodes)
+            step.decode_tables, step.decode_lengths = self._decode_context(decodes)
+            step.kernel = self.kernel
         for start, end, req, known in chunks:
             context = self._slots(req.table.blocks, known)
             # Query i of the chunk sits at position (known - (end - start) + i) and sees keys up to it.
@@ -71,17 +73,10 @@ class ModelRunner:
         return (table[:, None] * self.block_size + offsets).flatten()[:count]
 
     def _decode_context(self, decodes: list[Request]):
-        """Each decode row's context slots, padded to the longest with its own first slot."""
-        lengths = torch.tensor([r.computed + 1 for r in decodes], device=self.device)
-        width = -(-int(lengths.max()) // self.block_size)
+        """Each decode row's blocks, padded to the widest with its own first block (real data,
+        masked off by length), and how many tokens each attends to."""
+        lengths = [r.computed + 1 for r in decodes]
+        width = -(-max(lengths) // self.block_size)
         rows = [r.table.blocks[:width] for r in decodes]
-        tables = torch.tensor([row + [0] * (width - len(row)) for row in rows], device=self.device)
-        offsets = torch.arange(self.block_size, device=self.device)
-        slots = (tables[:, :, None] * self.block_size + offsets).flatten(1)
-        longest = int(lengths.max())
-        slots = slots[:, :longest]
-        valid = torch.arange(longest, device=self.device)[None, :] < lengths[:, None]
-        slots = torch.where(valid, slots, slots[:, :1])
-        bias = torch.zeros(valid.shape, dtype=torch.float32, device=self.device)
-        bias.masked_fill_(~valid, float("-inf"))
-        return slots.flatten(), bias
+        tables = torch.tensor([row + row[:1] * (width - len(row)) for row in rows], device=self.device)
+        return tables, torch.tensor(lengths, device=self.device)

@@ -1,0 +1,39 @@
+"""The C++ decode-attention kernel (paged_decode.cpp), built once by torch and cached on disk.
+
+Built with the compiler torch's extensions use (g++ and ninja); the first start of a worker on a
+machine pays ~25 s for it, later starts load the cached library. Where it cannot be built, the
+engine runs attention in torch instead and says so once.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from functools import lru_cache
+from typing import Optional
+
+log = logging.getLogger(__name__)
+
+SOURCE = os.path.join(os.path.dirname(__file__), "paged_decode.cpp")
+
+
+@lru_cache(maxsize=None)
+def paged_decode(build_dir: str = "") -> Optional[object]:
+    """The compiled module (with `.paged_decode`), or None where it cannot be built."""
+    if os.environ.get("STORYTELLER_NO_KERNELS"):
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+        try:  # the ninja wheel's binary, for a virtualenv that is not on PATH
+            import ninja
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except ImportError:
+            pass
+        if build_dir:
+            build_dir = os.path.expanduser(build_dir)
+            os.makedirs(build_dir, exist_ok=True)
+        return load(name="storyteller_paged_decode", sources=[SOURCE], build_directory=build_dir or None,
+                    extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # no compiler, no ninja, a read-only cache: torch's path still works
+        log.warning("decode-attention kernel unavailable (%s): attention runs in torch", exc)
+        return None
