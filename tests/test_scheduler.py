@@ -132,3 +132,19 @@ def test_the_last_running_request_is_never_preempted():
 def test_an_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="expected one of"):
         scheduler("random")
+
+
+def test_beside_decodes_a_prompt_gets_only_the_prefill_chunk():
+    s = Scheduler(BlockManager(100, 4, prefix_caching=False), 32, 64, "fifo", 0, prefill_chunk=5)
+    alone = request(40)
+    s.add(alone)
+    plan = s.schedule()
+    assert plan == [(alone, 32)], "nobody decodes: the whole budget"
+    run(plan)
+    plan = s.schedule()
+    assert plan == [(alone, 8)]
+    run(plan)  # now decoding
+    newcomer = request(40)
+    s.add(newcomer)
+    plan = s.schedule()
+    assert plan == [(alone, 1), (newcomer, 5)], "a decode is running: 5 prompt tokens a step"

@@ -20,7 +20,7 @@ from worker.static_engine import StaticEngine
 from worker.worker import Worker
 
 FLAGS = ["redis_url", "model", "model_name", "engine", "batch", "wait_ms", "dtype", "device",
-         "block_size", "kv_blocks", "kv_memory", "max_batch_tokens", "scheduler", "prefix_caching",
+         "block_size", "kv_blocks", "kv_memory", "max_batch_tokens", "prefill_chunk", "scheduler", "prefix_caching",
          "int4_rows", "int4_head", "torch_threads", "cache_dir"]
 STATIC_DEFAULT_BATCH = 64
 
@@ -33,7 +33,7 @@ def check(settings: Settings) -> None:
     for name in ("batch", "kv_blocks", "int4_rows", "torch_threads"):
         if getattr(settings, name) < 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be 0 or more")
-    for name in ("block_size", "kv_memory", "max_batch_tokens"):
+    for name in ("block_size", "kv_memory", "max_batch_tokens", "prefill_chunk"):
         if getattr(settings, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
 

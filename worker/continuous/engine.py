@@ -43,7 +43,7 @@ class ContinuousEngine:
         # Room kept free at admission so that running requests can grow: 1% of the pool, as vLLM does.
         margin = max(1, blocks // 100)
         self.scheduler = Scheduler(self.blocks, settings.max_batch_tokens, self.capacity,
-                                   settings.scheduler, margin)
+                                   settings.scheduler, margin, settings.prefill_chunk)
         cache = KVCache(model.layers, model.kv_heads, model.head_dim, blocks, size, loaded.dtype,
                         loaded.device)
         kernel = kernels.paged_decode(os.path.join(settings.cache_dir, "kernels")) \

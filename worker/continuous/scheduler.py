@@ -2,7 +2,8 @@
 
 Every step has a budget of `max_batch_tokens`. A decoding request costs one token; a prompt
 costs its length, so a long one is split into chunks across steps and the others keep decoding
-between them. New requests are admitted only when the cache has room for their prompt plus a
+between them. While anyone is decoding, prompts get at most `prefill_chunk` tokens a step (fifo):
+a step's time grows with its tokens, and a 500-token chunk would hold every stream for ~0.5 s. New requests are admitted only when the cache has room for their prompt plus a
 margin, so that running requests can still grow. When it has not (the pool ran out while
 decoding), the newest running request is set back: its blocks are freed and it waits, first in
 line, to be prefilled again with what it wrote so far. The last running request is never set back.
@@ -22,11 +23,12 @@ POLICIES = ("fifo", "prefill-first")
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_batch_tokens: int, max_running: int,
-                 policy: str = "fifo", margin_blocks: int = 1):
+                 policy: str = "fifo", margin_blocks: int = 1, prefill_chunk: int = 0):
         if policy not in POLICIES:
             raise ValueError(f"scheduler {policy!r}: expected one of {', '.join(POLICIES)}")
         self.blocks = blocks
         self.max_batch_tokens = max_batch_tokens
+        self.prefill_chunk = prefill_chunk or max_batch_tokens  # prompt tokens per step beside decodes
         self.max_running = max_running
         self.policy = policy
         self.margin_blocks = margin_blocks
@@ -48,6 +50,8 @@ class Scheduler:
         self._preempted_now = False
         if self.policy == "fifo":
             budget = self._decodes(plan, budget)
+            if plan:  # others are decoding: a prompt only gets a small chunk, so their streams flow
+                budget = min(budget, self.prefill_chunk)
             budget = self._prefills(plan, budget)
             self._admit(plan, budget)
         else:
