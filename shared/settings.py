@@ -46,8 +46,9 @@ class Settings:
     kv_memory: int = _setting(1024, "MiB of memory for the KV cache, when --kv-blocks is 0")
     max_batch_tokens: int = _setting(512, "tokens computed per step at most: decodes plus prefill "
                                           "chunks (a longer prompt is prefilled in chunks)")
-    prefill_chunk: int = _setting(64, "prompt tokens computed per step while others are decoding "
-                                      "(fifo), so their streams keep flowing")
+    prefill_chunk: int = _setting(256, "most prompt tokens computed per step while others are "
+                                       "decoding (fifo: 1 per decoding request, at least 16), so "
+                                       "their streams keep flowing")
     scheduler: str = _setting("fifo", "fifo (decodes, then ongoing prefills, then new requests) | "
                                       "prefill-first")
     prefix_caching: bool = _setting(True, "share the KV blocks of prompts that start alike")

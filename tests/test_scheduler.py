@@ -8,7 +8,7 @@ import pytest
 from shared.protocol import Job, SamplingParams
 from worker.continuous.block_manager import BlockManager
 from worker.continuous.request import Request, Status
-from worker.continuous.scheduler import Scheduler
+from worker.continuous.scheduler import MIN_PROMPT_SHARE, PROMPT_TOKENS_PER_DECODE, Scheduler
 from worker.sequence import Sequence
 
 
@@ -136,6 +136,7 @@ def test_an_unknown_policy_is_refused():
 
 def test_beside_decodes_a_prompt_gets_only_the_prefill_chunk():
     s = Scheduler(BlockManager(100, 4, prefix_caching=False), 32, 64, "fifo", 0, prefill_chunk=5)
+    assert MIN_PROMPT_SHARE > 5, "the chunk is the cap here"
     alone = request(40)
     s.add(alone)
     plan = s.schedule()
@@ -148,3 +149,15 @@ def test_beside_decodes_a_prompt_gets_only_the_prefill_chunk():
     s.add(newcomer)
     plan = s.schedule()
     assert plan == [(alone, 1), (newcomer, 5)], "a decode is running: 5 prompt tokens a step"
+
+
+def test_the_prompt_share_grows_with_the_decodes_it_rides_with():
+    s = Scheduler(BlockManager(400, 4, prefix_caching=False), 512, 64, "fifo", 0, prefill_chunk=256)
+    players = [request(2) for _ in range(20)]
+    for p in players:
+        s.add(p)
+    run(s.schedule())
+    newcomer = request(1000)
+    s.add(newcomer)
+    plan = s.schedule()
+    assert plan[-1] == (newcomer, PROMPT_TOKENS_PER_DECODE * 20)
