@@ -90,7 +90,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=int(os.environ.get("WORKERS", 1)),
                         help="model workers to start (env WORKERS, default 1)")
     settings = Settings.from_env()  # passed on to the children through their environment
-    for flag, env in [("--port", "PORT"), ("--model", "MODEL"), ("--batch", "BATCH"),
+    for flag, env in [("--port", "PORT"), ("--model", "MODEL"), ("--batch", "BATCH"), ("--engine", "ENGINE"),
                       ("--redis-url", "REDIS_URL"), ("--host", "HOST")]:
         parser.add_argument(flag, dest=env, help=f"env {env}")
     args = parser.parse_args()
@@ -98,6 +98,10 @@ def main() -> None:
     env.update({k: str(v) for k, v in vars(args).items() if v is not None and k.isupper()})
     redis_url = env.get("REDIS_URL", settings.redis_url)
     env["REDIS_URL"] = redis_url
+    if args.workers > 1 and not env.get("TORCH_THREADS"):
+        # Workers on one machine share its cores: torch's threads wait on each other when two
+        # processes each want all of them (steps measured many times slower here).
+        env["TORCH_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.workers))
 
     redis_note, processes = ensure_redis(redis_url)
     print(redis_note, flush=True)

@@ -96,3 +96,20 @@ def test_both_schedulers_write_the_same(loaded, policy):
     jobs = make_jobs(len(loaded.tokenizer), 30, seed=4)
     engine = make_engine(loaded, replace(SETTINGS, scheduler=policy, max_batch_tokens=8))
     assert run_continuous(engine, jobs) == alone(loaded, jobs)
+
+
+def test_a_cancelled_request_gives_its_blocks_back_at_the_next_step(loaded):
+    engine = make_engine(loaded)
+    jobs = make_jobs(len(loaded.tokenizer), 3, seed=5)
+    seqs = [engine.add(job) for _, job in jobs]
+    engine.step()
+    held = engine.blocks.num_blocks - engine.blocks.free
+    assert held > 0
+    seqs[0].cancel()
+    engine.step()
+    assert seqs[0].finish_reason == "cancelled"
+    assert seqs[0] not in engine.sequences()
+    still_held = sum(len(r.table.blocks) for r in engine.scheduler.running)
+    assert engine.blocks.num_blocks - engine.blocks.free == still_held, "its blocks went back"
+    stats = engine.stats()
+    assert stats["running"] == 2 and 0 < stats["kv_usage"] < 1

@@ -5,6 +5,7 @@ It knows Redis only through JobQueue and the model only through an Engine.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -22,6 +23,15 @@ log = logging.getLogger(__name__)
 
 IDLE_BLOCK_S = 0.5  # how long an idle worker blocks on the queue before it looks at its flags again
 REDIS_RETRY_S = 1.0  # pause before trying again when Redis is unreachable
+
+
+def resident_mb() -> int:
+    """This process's resident memory, for the heartbeat (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") >> 20
+    except (OSError, ValueError):
+        return 0
 
 
 class Worker:
@@ -115,7 +125,7 @@ class Worker:
     def _beat(self) -> None:
         while not self._left.wait(self.settings.heartbeat_s):
             try:
-                self.info = replace(self.info, stats=self.engine.stats())
+                self.info = replace(self.info, stats={**self.engine.stats(), "rss_mb": resident_mb()})
                 self.queue.heartbeat(self.info, self.settings.heartbeat_ttl_s)
                 self.queue.requeue_dead_workers()
             except Exception:  # Redis away for a moment: keep trying, the loop reports its own errors
