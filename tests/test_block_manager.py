@@ -109,3 +109,13 @@ def test_without_prefix_caching_nothing_is_shared():
 def test_a_pool_needs_a_block():
     with pytest.raises(ValueError):
         BlockManager(num_blocks=0, block_size=16)
+
+
+def test_fresh_blocks_are_reused_last_freed_first_so_the_pool_stays_cold():
+    manager = BlockManager(num_blocks=100, block_size=4, prefix_caching=False)
+    used = set()
+    for _ in range(50):  # one short request after another
+        table, _ = admitted(manager, [1, 2, 3, 4, 5])
+        used.update(table.blocks)
+        manager.release(table)
+    assert len(used) == 2, "the same two blocks every time: the rest of the pool is never touched"

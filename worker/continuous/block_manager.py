@@ -11,7 +11,7 @@ the never-named free blocks have run out.
 """
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -36,7 +36,9 @@ class BlockManager:
         self.prefix_caching = prefix_caching
         self._refs = [0] * num_blocks
         self._name: list[Optional[tuple[int, tuple[int, ...]]]] = [None] * num_blocks  # (hash, tokens)
-        self._fresh = deque(range(num_blocks))  # unnamed and unheld
+        # Unnamed and unheld; taken last-freed first, so a worker touches only as much of the
+        # pool's memory as it has ever needed at once (a queue would walk through all of it).
+        self._fresh = list(range(num_blocks - 1, -1, -1))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # named, unheld; oldest first
         self._by_hash: dict[int, int] = {}  # hash -> block
         self.hits = 0  # prompt tokens found in the cache, since start (for the heartbeat)
@@ -126,7 +128,7 @@ class BlockManager:
 
     def _take(self) -> int:
         if self._fresh:
-            block = self._fresh.popleft()
+            block = self._fresh.pop()
         else:
             block, _ = self._evictable.popitem(last=False)  # the longest unused
             h, _ = self._name[block]
