@@ -55,7 +55,7 @@ class GPT2:
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 step: StepLayout) -> torch.Tensor:
-        x = F.embedding(ids, self.wte) + F.embedding(positions, self.wpe)
+        x = self.wte.index_select(0, ids) + self.wpe.index_select(0, positions)  # see llama.py
         tokens = ids.shape[0]
         for layer, b in enumerate(self.blocks):
             q, k, v = b["qkv"](self._norm(x, b["ln1"])).view(tokens, 3, self.heads, self.head_dim).unbind(1)
