@@ -85,8 +85,7 @@ class Worker:
         if not room:
             return
         # A busy engine must not wait for Redis: jobs are taken between steps, whatever is there.
-        busy = self.engine.busy
-        block, fill = (0, 0) if busy else (IDLE_BLOCK_S, self.settings.wait_ms / 1000)
+        block, fill = (0, 0) if self.engine.busy else (IDLE_BLOCK_S, self.settings.wait_ms / 1000)
         now = time.time()
         for job in self.queue.take(room, fill, block):
             if job.deadline < now:  # nobody is waiting for it any more
@@ -125,8 +124,9 @@ class Worker:
     def _beat(self) -> None:
         while not self._left.wait(self.settings.heartbeat_s):
             try:
-                self.info = replace(self.info, stats={**self.engine.stats(), "rss_mb": resident_mb()})
-                self.queue.heartbeat(self.info, self.settings.heartbeat_ttl_s)
+                # Not stored back: stop() may be setting `draining` on self.info meanwhile.
+                info = replace(self.info, stats={**self.engine.stats(), "rss_mb": resident_mb()})
+                self.queue.heartbeat(info, self.settings.heartbeat_ttl_s)
                 self.queue.requeue_dead_workers()
             except Exception:  # Redis away for a moment: keep trying, the loop reports its own errors
                 log.exception("heartbeat failed")

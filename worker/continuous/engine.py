@@ -99,7 +99,8 @@ class ContinuousEngine:
         dropped = self.scheduler.requests()
         for req in dropped:
             self.scheduler.finish(req)
-        self.scheduler.running, self.scheduler.waiting = [], type(self.scheduler.waiting)()
+        self.scheduler.running.clear()
+        self.scheduler.waiting.clear()
         return [r.seq for r in dropped]
 
     def stats(self) -> dict:
