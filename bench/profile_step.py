@@ -46,7 +46,7 @@ def profile_batch(loaded, settings: Settings, batch: int, steps: int, context: i
         for _ in range(3):
             engine.step()
     total = sum(e.self_cpu_time_total for e in prof.key_averages())
-    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:16]
     step_ms = statistics.median(times) * 1000
     return {"batch": batch, "step_ms": step_ms, "tokens_per_s": batch / step_ms * 1000,
             "ops": [{"name": e.key, "share": e.self_cpu_time_total / total,

@@ -33,8 +33,9 @@ def run(plan):
             req.status = Status.DECODING
 
 
-def scheduler(policy="fifo", blocks=100, budget=16, block_size=4, margin=0):
-    return Scheduler(BlockManager(blocks, block_size, prefix_caching=False), budget, 64, policy, margin)
+def scheduler(policy="fifo", blocks=100, budget=16, block_size=4, margin=0, prefill_chunk=0):
+    return Scheduler(BlockManager(blocks, block_size, prefix_caching=False), budget, 64, policy, margin,
+                     prefill_chunk)
 
 
 def test_fifo_runs_decodes_then_ongoing_prefills_then_new_requests():
@@ -135,7 +136,7 @@ def test_an_unknown_policy_is_refused():
 
 
 def test_beside_decodes_a_prompt_gets_only_the_prefill_chunk():
-    s = Scheduler(BlockManager(100, 4, prefix_caching=False), 32, 64, "fifo", 0, prefill_chunk=5)
+    s = scheduler(budget=32, prefill_chunk=5)
     assert MIN_PROMPT_SHARE > 5, "the chunk is the cap here"
     alone = request(40)
     s.add(alone)
@@ -152,7 +153,7 @@ def test_beside_decodes_a_prompt_gets_only_the_prefill_chunk():
 
 
 def test_the_prompt_share_grows_with_the_decodes_it_rides_with():
-    s = Scheduler(BlockManager(400, 4, prefix_caching=False), 512, 64, "fifo", 0, prefill_chunk=256)
+    s = scheduler(blocks=400, budget=512, prefill_chunk=256)
     players = [request(2) for _ in range(20)]
     for p in players:
         s.add(p)
