@@ -43,7 +43,8 @@ def make_engine(settings: Settings, loaded: model_loader.LoadedModel):
     if settings.engine == "continuous":
         engine = continuous.build(loaded, settings, loaded.weights(), loaded.config)
         if engine is not None:
-            loaded.tensors = None  # the engine holds what it needs, repacked
+            # The engine holds what it needs, repacked: transformers' copy and the tensors can go.
+            loaded.model = loaded.tensors = None
             return engine, loaded
         if loaded.model is None:  # read as tensors only: the static engine needs transformers' model
             loaded = model_loader.load(settings.model, settings.model_name, settings.dtype,
@@ -64,8 +65,6 @@ def main(argv=None) -> None:
     loaded = model_loader.load(settings.model, settings.model_name, settings.dtype, settings.device,
                                transformers_model=settings.engine == "static", cache_dir=settings.cache_dir)
     engine, loaded = make_engine(settings, loaded)
-    if loaded.model is not None and engine.name == "continuous":
-        loaded.model = None  # transformers' copy of the weights is not used by the continuous engine
     files = model_loader.tokenizer_files(loaded.tokenizer)
     worker_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     queue = JobQueue(client, worker_id, loaded.name, settings.answer_ttl_s)

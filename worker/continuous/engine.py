@@ -9,8 +9,6 @@ from __future__ import annotations
 import logging
 import os
 
-import torch
-
 from shared.protocol import Job
 from shared.settings import Settings
 from worker.continuous import kernels, models
@@ -91,8 +89,7 @@ class ContinuousEngine:
                 req.status = Status.DECODING
             changed.append(req.seq)
             if req.finished:  # its blocks go back now, not at the next step
-                self.scheduler.running.remove(req)
-                self.scheduler.finish(req)
+                self.scheduler.retire(req)
         return changed
 
     def reset(self) -> list[Sequence]:

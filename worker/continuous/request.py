@@ -41,10 +41,6 @@ class Request:
     def to_compute(self) -> int:
         return len(self.tokens) - self.computed
 
-    def most_tokens(self) -> int:
-        """The longest this request can grow: its prompt plus every token it may still write."""
-        return len(self.seq.prompt_ids) + self.seq.params.max_tokens
-
     def append(self, token: int) -> None:
         self.seq.append(token)
         if not self.seq.finished:

@@ -72,6 +72,11 @@ class Scheduler:
         req.status = Status.FINISHED
         self.blocks.release(req.table)
 
+    def retire(self, req: Request) -> None:
+        """A running request is done: out of the batch, its blocks back."""
+        self.running.remove(req)
+        self.finish(req)
+
     def _decodes(self, out: list, budget: int) -> int:
         for req in [r for r in self.running if r.status is Status.DECODING]:
             if budget <= 0:
@@ -134,5 +139,4 @@ class Scheduler:
 
     def _drop_finished(self) -> None:
         for req in [r for r in self.running if r.finished]:
-            self.running.remove(req)
-            self.finish(req)
+            self.retire(req)
