@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from api.errors import bad_request
-from shared.protocol import SamplingParams
+from shared.protocol import PRIORITY_DEFAULT, PRIORITY_MAX, PRIORITY_MIN, SamplingParams
 
 MAX_CHOICES = 8
 MAX_STOPS = 4
@@ -23,6 +23,7 @@ class CompletionRequest:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
+    priority: int = PRIORITY_DEFAULT  # lower is served first
     prompts: list[Prompt] = field(default_factory=list)  # completions
     messages: list[dict] = field(default_factory=list)   # chat
 
@@ -95,7 +96,10 @@ def _common(body, max_tokens_name: str, default_max: Optional[int], **fields) ->
     _check(1 <= n <= MAX_CHOICES, "n", f"must be between 1 and {MAX_CHOICES}, got {n}")
     _get(body, "user", str)
     options = _get(body, "stream_options", dict, {})
-    return CompletionRequest(model=model, params=params, max_tokens=max_tokens, n=n,
+    priority = _get(body, "priority", int, PRIORITY_DEFAULT)
+    _check(PRIORITY_MIN <= priority <= PRIORITY_MAX, "priority",
+           f"must be between {PRIORITY_MIN} (most urgent) and {PRIORITY_MAX}, got {priority}")
+    return CompletionRequest(model=model, params=params, max_tokens=max_tokens, n=n, priority=priority,
                              stream=_get(body, "stream", bool, False),
                              include_usage=bool(options.get("include_usage")), **fields)
 

@@ -1,13 +1,17 @@
 """Every Redis key and channel name, in one place.
 
 A request's life in Redis:
-  api    RPUSH  queue(model)                  one JSON job per choice
-  worker BLMOVE queue(model) -> processing(worker_id)   reliable pop: a dead worker's jobs stay visible
+  api    RPUSH  queue(model, priority)        one JSON job per choice (a Lua script: only under the cap),
+         LPUSH  wake(model)                   and a token that wakes an idle worker
+  worker LMOVE  queue(model, p) -> processing(worker_id)   reliable pop, most urgent queue first (Lua):
+                                              a dead worker's jobs stay visible
   worker PUBLISH channel(job_id)              text as it is written, then the final answer
   worker SET    answer(job_id) EX ...         the final answer again, for a subscriber that missed it
   worker LREM   processing(worker_id)         the job is done
   api    SET    cancel(job_id)                the client went away: stop decoding it
 """
+
+from shared.protocol import PRIORITIES, PRIORITY_DEFAULT
 
 PREFIX = "storyteller"
 
@@ -15,8 +19,33 @@ PREFIX = "storyteller"
 WORKERS = f"{PREFIX}:workers"
 
 
-def queue(model: str) -> str:
-    return f"{PREFIX}:queue:{model}"
+def queue(model: str, priority: int = PRIORITY_DEFAULT) -> str:
+    return f"{PREFIX}:queue:{model}:{priority}"
+
+
+def queues(model: str) -> list[str]:
+    """Every queue of a model, most urgent first."""
+    return [queue(model, p) for p in PRIORITIES]
+
+
+def wake(model: str) -> str:
+    """A short list of tokens, pushed with each job: an idle worker blocks on it."""
+    return f"{PREFIX}:wake:{model}"
+
+
+def drained(model: str, second: int) -> str:
+    """Jobs of `model` taken by workers during one wall-clock second: the queue's drain rate."""
+    return f"{PREFIX}:drained:{model}:{second}"
+
+
+def attempts(job_id: str) -> str:
+    """How many workers died holding this job."""
+    return f"{PREFIX}:attempts:{job_id}"
+
+
+def rate(key_digest: str, minute: int) -> str:
+    """Requests made with one API key (by its digest, never the key) during one minute."""
+    return f"{PREFIX}:rate:{key_digest}:{minute}"
 
 
 def processing(worker_id: str) -> str:

@@ -24,6 +24,12 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
 
+# Priority, as vLLM's: lower is served first; a worker takes from the most urgent non-empty queue.
+# Bounded, so each value has its own queue (and metric label).
+PRIORITY_MIN, PRIORITY_DEFAULT, PRIORITY_MAX = -10, 0, 10
+PRIORITIES = range(PRIORITY_MIN, PRIORITY_MAX + 1)
+
+
 @dataclass
 class Job:
     """One choice to write: a prompt already tokenized by the API, and how to sample it."""
@@ -33,6 +39,7 @@ class Job:
     params: SamplingParams
     deadline: float  # unix time after which nobody waits for the answer
     stream: bool = False  # publish text as it is written; otherwise only the final answer
+    priority: int = PRIORITY_DEFAULT
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

@@ -26,6 +26,14 @@ class Settings:
     threads: int = _setting(256, "threads per API process: one per waiting player")
     api_workers: int = _setting(1, "API processes under gunicorn")
     request_timeout: float = _setting(300.0, "seconds a request may wait for its answer")
+    max_queue: int = _setting(-1, "jobs that may wait per model before new requests get 429 (-1: "
+                                  "4x what the live workers hold at once; 0: unbounded)")
+    worker_grace: float = _setting(60.0, "seconds a request whose jobs are queued waits for a worker "
+                                         "to come back (a restart) before it gives up with 503")
+    api_keys: str = _setting("", "comma-separated API keys; set, every /v1 request needs "
+                                 "'Authorization: Bearer <key>' (empty: no auth)")
+    api_keys_file: str = _setting("", "a file of API keys, one per line (with or instead of --api-keys)")
+    rate_limit: int = _setting(0, "requests per minute per API key, across API processes (0: no limit)")
 
     # The worker
     model: str = _setting("smollm2", "'smollm2' (the packaged SmolLM2-135M-Instruct) or a local "
@@ -60,6 +68,8 @@ class Settings:
                                      "per core)")
     cache_dir: str = _setting("~/.cache/storyteller", "where a worker keeps what makes its next "
                                                        "start faster (empty: nowhere)")
+    max_attempts: int = _setting(2, "times a job is tried when its worker dies holding it; after "
+                                    "that its client gets a 'worker_crashed' error")
     heartbeat_s: float = _setting(1.0, "seconds between worker heartbeats")
     heartbeat_ttl_s: float = _setting(3.0, "seconds without a heartbeat after which a worker is dead")
     answer_ttl_s: int = _setting(300, "seconds a final answer stays readable in Redis")
