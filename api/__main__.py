@@ -5,7 +5,8 @@ from gunicorn.app.base import BaseApplication
 
 from shared.settings import Settings
 
-FLAGS = ["host", "port", "redis_url", "threads", "api_workers", "request_timeout"]
+FLAGS = ["host", "port", "redis_url", "threads", "api_workers", "request_timeout", "max_queue", "worker_grace",
+         "api_keys", "api_keys_file", "rate_limit"]
 
 
 class _Gunicorn(BaseApplication):

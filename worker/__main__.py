@@ -21,7 +21,7 @@ from worker.worker import Worker
 
 FLAGS = ["redis_url", "model", "model_name", "engine", "batch", "wait_ms", "dtype", "device",
          "block_size", "kv_blocks", "kv_memory", "max_batch_tokens", "prefill_chunk", "scheduler", "prefix_caching",
-         "int4_rows", "int4_head", "torch_threads", "cache_dir"]
+         "int4_rows", "int4_head", "torch_threads", "cache_dir", "max_attempts"]
 STATIC_DEFAULT_BATCH = 64
 
 
