@@ -5,6 +5,7 @@ context window -> subscribe to each job's channel, push the jobs -> answer whole
 """
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
@@ -16,12 +17,15 @@ import redis
 from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
+from api import auth
 from api.broker import Broker, Pending
 from api.errors import ApiError, bad_request, unavailable
 from api.openai_format import SSE_DONE, Shape, sse
+from api.openapi import document
 from api.tokenizers import TokenizerCache
-from api.validation import CompletionRequest, parse_chat, parse_completion
+from api.validation import CompletionRequest, check_max_tokens, parse_chat, parse_completion
 from shared.protocol import Failure, Final, Job, TextDelta, WorkerInfo
+from shared.redis_client import connect, explain
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -34,12 +38,13 @@ def create_app(settings: Optional[Settings] = None, client: Optional[redis.Redis
     # Short timeouts: with Redis down, a request must get its 503 in a second or two, not hang.
     # A waiting request holds a pub/sub connection and briefly another: two per thread (redis-py
     # allows 100 by default, fewer than the players one API process lets wait).
-    client = client or redis.Redis.from_url(settings.redis_url, socket_connect_timeout=1, socket_timeout=5,
-                                            max_connections=2 * settings.threads + 8)
-    broker = Broker(client, settings.heartbeat_ttl_s)
+    client = client or connect(settings.redis_url, socket_connect_timeout=1, socket_timeout=5,
+                               max_connections=2 * settings.threads + 8)
+    broker = Broker(client, settings.worker_grace, settings.max_queue)
     tokenizers = TokenizerCache(client)
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
+    auth.install(app, settings, client)
 
     @app.errorhandler(ApiError)
     def api_error(exc: ApiError):
@@ -47,7 +52,7 @@ def create_app(settings: Optional[Settings] = None, client: Optional[redis.Redis
 
     @app.errorhandler(redis.RedisError)
     def redis_down(exc):
-        return unavailable(f"the job queue (Redis) is not reachable: {exc}").response()
+        return unavailable(f"the job queue (Redis) is not reachable: {explain(exc)}").response()
 
     @app.errorhandler(LookupError)
     def tokenizer_missing(exc):
@@ -61,6 +66,12 @@ def create_app(settings: Optional[Settings] = None, client: Optional[redis.Redis
     def unexpected(exc: Exception):
         log.exception("unexpected error")
         return ApiError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+
+    description = document()
+
+    @app.get("/openapi.json")
+    def openapi():
+        return jsonify(description)
 
     @app.get("/health")
     def health():
@@ -89,13 +100,17 @@ def create_app(settings: Optional[Settings] = None, client: Optional[redis.Redis
         return _answer(parse_chat(_json_body()), chat=True)
 
     def _answer(req: CompletionRequest, chat: bool):
-        worker = broker.worker_for(req.model)
-        prompts = _tokenize(req, tokenizers.get(worker), chat)
+        workers = broker.workers_for(req.model)
+        check_max_tokens(req, workers[0].context_window)
+        cap = broker.admission.cap(workers)
+        # A full queue is refused before the costly part (tokenizing), so a crowd hears it at once.
+        broker.admission.check(req.model, req.n * (1 if chat else len(req.prompts)), cap)
+        prompts = _tokenize(req, tokenizers.get(workers[0]), chat)
         request_id = uuid.uuid4().hex[:24]
-        jobs = _jobs(req, prompts, worker, request_id, time.time() + settings.request_timeout)
+        jobs = _jobs(req, prompts, workers[0], request_id, time.time() + settings.request_timeout)
         prompt_tokens = sum(len(p) for p in prompts)
         shape = Shape(request_id, req.model, chat)
-        pending = broker.submit(jobs)
+        pending = broker.submit(jobs, cap)
         if req.stream:
             return Response(_stream(pending, shape, req.include_usage, prompt_tokens),
                             mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -111,6 +126,11 @@ def _json_body():
     body = request.get_json(force=True, silent=True)  # curl -d sends another Content-Type
     if body is None:
         raise bad_request("the body is not valid JSON",
+                          code="invalid_json")
+    try:  # a \ud800 escape decodes to a lone surrogate, which no tokenizer or Redis key takes
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise bad_request("the body holds a lone surrogate (\\ud800-\\udfff): not valid Unicode",
                           code="invalid_json")
     return body
 
@@ -152,7 +172,7 @@ def _jobs(req: CompletionRequest, prompts: list[list[int]], worker: WorkerInfo,
         for choice in range(req.n):
             params = replace(req.params, max_tokens=max_tokens, seed=base_seed + choice)
             jobs.append(Job(id=f"{request_id}-{len(jobs)}", model=req.model, prompt_ids=prompt,
-                            params=params, deadline=deadline, stream=req.stream))
+                            params=params, deadline=deadline, stream=req.stream, priority=req.priority))
     return jobs
 
 

@@ -6,6 +6,7 @@ from typing import Iterator
 
 import redis
 
+from api.admission import Admission
 from api.errors import ApiError, unavailable
 from shared import keys
 from shared.protocol import Failure, Final, Job, Result, WorkerInfo, decode_result
@@ -13,12 +14,15 @@ from shared.protocol import Failure, Final, Job, Result, WorkerInfo, decode_resu
 # How often a waiting request, between messages, reads the stored answers and checks its deadline
 # and the workers' liveness. A message wakes it at once whatever this is.
 LOOK_EVERY_S = 1.0
+# Retry-After for a request that finds no worker: about what a worker takes to start.
+WORKER_START_S = 10
 
 
 class Broker:
-    def __init__(self, client: redis.Redis, heartbeat_ttl_s: float = 3.0):
+    def __init__(self, client: redis.Redis, worker_grace_s: float = 60.0, max_queue: int = -1):
         self.redis = client
-        self.heartbeat_ttl_s = heartbeat_ttl_s
+        self.worker_grace_s = worker_grace_s
+        self.admission = Admission(client, max_queue)
 
     def live_workers(self) -> list[WorkerInfo]:
         ids = self.redis.hkeys(keys.WORKERS)
@@ -27,26 +31,28 @@ class Broker:
         beats = self.redis.mget([keys.heartbeat(i.decode()) for i in ids])
         return [WorkerInfo.from_json(b) for b in beats if b is not None]
 
-    def worker_for(self, model: str) -> WorkerInfo:
-        """A live worker of `model`: 503 if none at all is alive, 404 if none serves this model."""
+    def workers_for(self, model: str) -> list[WorkerInfo]:
+        """The live workers of `model` that take jobs: 503 if none at all, 404 if none serves it."""
         workers = [w for w in self.live_workers() if not w.draining]
         if not workers:
-            raise unavailable("no worker is running: start one with `python -m worker`")
-        for worker in workers:
-            if worker.model == model:
-                return worker
+            raise unavailable("no worker is running: start one with `python -m worker`",
+                              retry_after=WORKER_START_S)
+        serving = [w for w in workers if w.model == model]
+        if serving:
+            return serving
         served = sorted({w.model for w in workers})
         raise ApiError(404, f"the model '{model}' does not exist; served here: {', '.join(served)}",
                        param="model", code="model_not_found")
 
-    def submit(self, jobs: list[Job]) -> "Pending":
-        return Pending(self, jobs)
+    def submit(self, jobs: list[Job], cap: int) -> "Pending":
+        """Subscribe to the jobs' channels, then queue them (429 beyond `cap` waiting jobs)."""
+        return Pending(self, jobs, cap)
 
 
 class Pending:
     """A request's jobs in flight. Subscribes to their channels first, then pushes them."""
 
-    def __init__(self, broker: Broker, jobs: list[Job]):
+    def __init__(self, broker: Broker, jobs: list[Job], cap: int):
         self.broker = broker
         self.jobs = jobs
         self._index = {keys.channel(j.id).encode(): i for i, j in enumerate(jobs)}
@@ -54,7 +60,7 @@ class Pending:
         self._pubsub = broker.redis.pubsub()
         try:
             self._subscribe()
-            broker.redis.rpush(keys.queue(jobs[0].model), *[j.to_json() for j in jobs])
+            broker.admission.push(jobs, cap)
         except Exception:
             self._pubsub.close()
             raise
@@ -85,12 +91,15 @@ class Pending:
             yield from self._read_stored_answers()
             if time.time() > deadline:
                 raise ApiError(504, "the request timed out before its answer was written", code="timeout")
+            # A draining worker still counts: it finishes what it holds. With none at all, the
+            # jobs wait in the queue for a restarted worker, for a grace period.
             if any(w.model == model for w in self.broker.live_workers()):
                 alone_since = None
             elif alone_since is None:
                 alone_since = time.monotonic()
-            elif time.monotonic() - alone_since > self.broker.heartbeat_ttl_s:
-                raise unavailable(f"no worker is serving {model} any more")
+            elif time.monotonic() - alone_since > self.broker.worker_grace_s:
+                raise unavailable(f"no worker has served {model} for {self.broker.worker_grace_s:g} s",
+                                  retry_after=WORKER_START_S)
 
     def _take(self, index: int, result: Result) -> Iterator[tuple[int, Result]]:
         if index not in self._open:

@@ -20,7 +20,12 @@ WORKERS = f"{PREFIX}:workers"
 
 
 def queue(model: str, priority: int = PRIORITY_DEFAULT) -> str:
-    return f"{PREFIX}:queue:{model}:{priority}"
+    return f"{queue_prefix(model)}{priority}"
+
+
+def queue_prefix(model: str) -> str:
+    """The queues' common start: a Lua script that puts a job back adds the job's priority."""
+    return f"{PREFIX}:queue:{model}:"
 
 
 def queues(model: str) -> list[str]:
@@ -33,9 +38,10 @@ def wake(model: str) -> str:
     return f"{PREFIX}:wake:{model}"
 
 
-def drained(model: str, second: int) -> str:
-    """Jobs of `model` taken by workers during one wall-clock second: the queue's drain rate."""
-    return f"{PREFIX}:drained:{model}:{second}"
+def drained_prefix(model: str) -> str:
+    """+ a second of Redis' clock: how many jobs of `model` workers took in that second (the
+    queue's drain rate, which a 429's Retry-After is estimated from)."""
+    return f"{PREFIX}:drained:{model}:"
 
 
 def attempts(job_id: str) -> str:

@@ -11,9 +11,12 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Optional, Sequence
 
+from shared.redis_client import masked
 
-def _setting(default, help: str, flag: Optional[str] = None, env: Optional[str] = None):
-    return field(default=default, metadata={"help": help, "flag": flag, "env": env})
+
+def _setting(default, help: str, flag: Optional[str] = None, env: Optional[str] = None, secret: bool = False):
+    # A secret is never shown: not in --help, not in repr, not in an error message.
+    return field(default=default, metadata={"help": help, "flag": flag, "env": env, "secret": secret})
 
 
 @dataclass(frozen=True)
@@ -31,7 +34,7 @@ class Settings:
     worker_grace: float = _setting(60.0, "seconds a request whose jobs are queued waits for a worker "
                                          "to come back (a restart) before it gives up with 503")
     api_keys: str = _setting("", "comma-separated API keys; set, every /v1 request needs "
-                                 "'Authorization: Bearer <key>' (empty: no auth)")
+                                 "'Authorization: Bearer <key>' (empty: no auth)", secret=True)
     api_keys_file: str = _setting("", "a file of API keys, one per line (with or instead of --api-keys)")
     rate_limit: int = _setting(0, "requests per minute per API key, across API processes (0: no limit)")
 
@@ -70,9 +73,15 @@ class Settings:
                                                        "start faster (empty: nowhere)")
     max_attempts: int = _setting(2, "times a job is tried when its worker dies holding it; after "
                                     "that its client gets a 'worker_crashed' error")
+    crash_on_prompt: str = _setting("", "test only, off by default: a worker that takes a job whose "
+                                        "prompt is these comma-separated token ids dies at once (SIGKILL)")
     heartbeat_s: float = _setting(1.0, "seconds between worker heartbeats")
     heartbeat_ttl_s: float = _setting(3.0, "seconds without a heartbeat after which a worker is dead")
     answer_ttl_s: int = _setting(300, "seconds a final answer stays readable in Redis")
+
+    def __repr__(self) -> str:  # in place of the dataclass's, which would print keys and passwords
+        shown = ", ".join(f"{f.name}={_shown(f, getattr(self, f.name))}" for f in fields(self))
+        return f"Settings({shown})"
 
     @classmethod
     def from_env(cls, environ=os.environ) -> "Settings":
@@ -84,7 +93,7 @@ class Settings:
             try:
                 values[f.name] = _parse_value(type(f.default), raw)
             except ValueError:
-                raise SystemExit(f"{_env_name(f)}={raw!r}: expected {type(f.default).__name__} "
+                raise SystemExit(f"{_env_name(f)}={_shown(f, raw)}: expected {type(f.default).__name__} "
                                  f"({f.metadata['help']})")
         return cls(**values)
 
@@ -99,9 +108,16 @@ class Settings:
             parser.add_argument(_flag_name(f), dest=name, default=None,
                                 type=lambda raw, kind=type(f.default): _parse_value(kind, raw),
                                 help=f"{f.metadata['help']} (env {_env_name(f)}, "
-                                     f"default {getattr(base, name)!r})")
+                                     f"default {_shown(f, getattr(base, name))})")
         given = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
         return replace(base, **given)
+
+
+def _shown(f, value) -> str:
+    """A setting's value as help, repr and errors show it: a secret hidden, a URL's password masked."""
+    if f.metadata.get("secret") and value:
+        return "<hidden>"
+    return repr(masked(value) if isinstance(value, str) else value)
 
 
 def _parse_value(kind: type, raw: str):

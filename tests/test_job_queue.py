@@ -10,7 +10,7 @@ import time
 import pytest
 
 from shared import keys
-from shared.protocol import Final, Job, SamplingParams, WorkerInfo, decode_result
+from shared.protocol import Failure, Final, Job, SamplingParams, WorkerInfo, decode_result
 from tests.tiny_models import tiny_tokenizer
 from worker.job_queue import JobQueue
 from worker.sequence import Sequence
@@ -23,13 +23,17 @@ def client(request):
     return request.getfixturevalue("fake_redis" if request.param == "fakeredis" else "real_redis")
 
 
-def _job(i: int, stream: bool = False) -> Job:
+def _job(i: int, stream: bool = False, priority: int = 0) -> Job:
     return Job(id=f"job-{i}", model=MODEL, prompt_ids=[5, 6, 7], params=SamplingParams(max_tokens=2),
-               deadline=time.time() + 60, stream=stream)
+               deadline=time.time() + 60, stream=stream, priority=priority)
 
 
-def _push(client, *ids: int, stream: bool = False) -> None:
-    client.rpush(keys.queue(MODEL), *[_job(i, stream).to_json() for i in ids])
+def _push(client, *ids: int, stream: bool = False, priority: int = 0) -> None:
+    client.rpush(keys.queue(MODEL, priority), *[_job(i, stream, priority).to_json() for i in ids])
+
+
+def _ids(jobs) -> list[str]:
+    return [j.id for j in jobs]
 
 
 def test_a_batch_takes_at_most_its_size_in_queue_order(client):
@@ -123,3 +127,79 @@ def test_jobs_of_a_dead_worker_go_back_to_the_front_of_the_queue(client):
     assert alive.requeue_dead_workers() == 2
     assert [Job.from_json(r).id for r in client.lrange(keys.queue(MODEL), 0, -1)] == ["job-0", "job-1", "job-2"]
     assert not client.hexists(keys.WORKERS, "dead")
+
+
+def _die(queue: JobQueue, client) -> None:
+    """The worker behind `queue` dies holding its jobs: its heartbeat expires."""
+    info = WorkerInfo(id=queue.worker_id, model=MODEL, context_window=128, engine="continuous", batch=4,
+                      device="cpu", dtype="float32", tokenizer_digest="x", pid=1, host="h", started=0.0)
+    queue.heartbeat(info, ttl_s=0.05)
+    time.sleep(0.1)
+
+
+def test_the_most_urgent_queue_is_taken_first_fifo_within_a_class(client):
+    queue = JobQueue(client, "w1", MODEL)
+    _push(client, 0, 1, priority=5)    # background lore
+    _push(client, 2, 3, priority=-3)   # a boss fight
+    _push(client, 4, priority=0)
+    assert _ids(queue.take(limit=3, wait_s=0, block_s=1)) == ["job-2", "job-3", "job-4"]
+    _push(client, 5, priority=-3)      # arrives later, still goes first
+    assert _ids(queue.take(limit=8, wait_s=0, block_s=1)) == ["job-5", "job-0", "job-1"]
+
+
+def test_a_flood_of_low_priority_work_does_not_starve_high_priority(client):
+    queue = JobQueue(client, "w1", MODEL)
+    _push(client, *range(100), priority=10)
+    order = []
+    for step in range(20):
+        if step % 4 == 0:
+            _push(client, 1000 + step, priority=-10)
+        order += _ids(queue.take(limit=2, wait_s=0, block_s=0))
+    # Each urgent job is taken at the first take after it arrives; the flood still moves between.
+    for step in range(0, 20, 4):
+        assert order.index(f"job-{1000 + step}") == 2 * step
+    # ...and the flood moves too, in its own order, whenever nothing urgent waits.
+    assert [o for o in order if int(o[4:]) < 100] == [f"job-{i}" for i in range(35)]
+
+
+def test_an_idle_worker_wakes_when_the_api_pushes(real_redis):
+    from api.admission import Admission
+    queue = JobQueue(real_redis, "w1", MODEL)
+    threading.Timer(0.1, lambda: Admission(real_redis, 0).push([_job(0)], cap=0)).start()
+    started = time.monotonic()
+    assert _ids(queue.take(limit=1, wait_s=0, block_s=5)) == ["job-0"]
+    assert time.monotonic() - started < 1
+
+
+def test_a_job_that_kills_its_workers_fails_after_its_attempts_and_the_others_go_on(client):
+    pubsub = client.pubsub()
+    pubsub.subscribe(keys.channel("job-0"))
+    assert pubsub.get_message(timeout=1)["type"] == "subscribe"
+    _push(client, 0, 1, 2)
+    first = JobQueue(client, "first", MODEL, max_attempts=2)
+    assert len(first.take(limit=8, wait_s=0, block_s=1)) == 3
+    _die(first, client)
+    survivor = JobQueue(client, "survivor", MODEL, max_attempts=2)
+    assert survivor.requeue_dead_workers() == 3
+
+    # Each job that lost a worker now runs alone: never beside another, never in a busy worker.
+    assert survivor.take(limit=8, wait_s=0, block_s=0, alone_ok=False) == []
+    assert _ids(survivor.take(limit=8, wait_s=0, block_s=0)) == ["job-0"]
+    assert survivor.isolated == {"job-0"}
+    _die(survivor, client)  # job-0 kills this worker too: it is the culprit
+    third = JobQueue(client, "third", MODEL, max_attempts=2)
+    assert third.requeue_dead_workers() == 0
+    failure = decode_result(client.get(keys.answer("job-0")))
+    assert isinstance(failure, Failure) and failure.code == "worker_crashed"
+    assert decode_result(pubsub.get_message(timeout=1)["data"]) == failure
+    # The innocent ones are still queued, in order, and are taken (alone) as usual.
+    assert _ids(third.take(limit=8, wait_s=0, block_s=0)) == ["job-1"]
+
+
+def test_a_requeued_job_keeps_its_priority(client):
+    _push(client, 0, priority=7)
+    first = JobQueue(client, "first", MODEL, max_attempts=3)
+    first.take(limit=1, wait_s=0, block_s=1)
+    _die(first, client)
+    JobQueue(client, "survivor", MODEL).requeue_dead_workers()
+    assert client.llen(keys.queue(MODEL, 7)) == 1 and client.llen(keys.queue(MODEL)) == 0

@@ -11,6 +11,7 @@ import redis
 import torch
 
 from shared.protocol import WorkerInfo
+from shared.redis_client import connect, explain, masked
 from shared.settings import Settings
 from worker import model_loader
 from worker.continuous import engine as continuous
@@ -59,15 +60,18 @@ def main(argv=None) -> None:
     started = time.time()
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
-    client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=5)
-    client.ping()  # fail now, with a clear error, rather than after loading the model
+    client = connect(settings.redis_url, socket_connect_timeout=5)
+    try:
+        client.ping()  # fail now, with a clear error, rather than after loading the model
+    except redis.RedisError as exc:
+        raise SystemExit(f"worker: cannot use Redis at {masked(settings.redis_url)}: {explain(exc)}")
 
     loaded = model_loader.load(settings.model, settings.model_name, settings.dtype, settings.device,
                                transformers_model=settings.engine == "static", cache_dir=settings.cache_dir)
     engine, loaded = make_engine(settings, loaded)
     files = model_loader.tokenizer_files(loaded.tokenizer)
     worker_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    queue = JobQueue(client, worker_id, loaded.name, settings.answer_ttl_s)
+    queue = JobQueue(client, worker_id, loaded.name, settings.answer_ttl_s, settings.max_attempts)
     queue.store_tokenizer(files)
     info = WorkerInfo(
         id=worker_id, model=loaded.name, context_window=loaded.context_window, engine=engine.name,

@@ -6,6 +6,7 @@ to put back (`requeue_dead_workers`).
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Iterable
@@ -21,57 +22,129 @@ log = logging.getLogger(__name__)
 FINISHED_NORMALLY = ("stop", "length")
 STAND_IN_POLL_S = 0.05
 FILL_POLL_S = 0.001  # how often a filling batch looks for late arrivals
+DRAINED_TTL_S = 120  # the per-second counts of jobs taken, which the API reads as a drain rate
+ATTEMPTS_TTL_S = 24 * 3600
+
+# Move up to ARGV[1] jobs, most urgent queue first and FIFO within one, into this worker's
+# processing list, in one atomic step. A job whose earlier workers died (its attempts count has
+# reached ARGV[3] > 0) is taken only alone (ARGV[2] = 1: this worker holds nothing) and then
+# nothing with it; otherwise taking stops before it, so priority order holds.
+# KEYS: the model's queues, most urgent first, then the processing list.
+# Returns {1 if the one job taken must run alone, the jobs}.
+_TAKE = """
+local nq = #KEYS - 1
+local processing = KEYS[nq + 1]
+local limit, alone_ok, last_chance = tonumber(ARGV[1]), ARGV[2] == '1', tonumber(ARGV[3])
+local taken, isolated = {}, 0
+for i = 1, nq do
+  while #taken < limit do
+    local raw = redis.call('LINDEX', KEYS[i], 0)
+    if not raw then break end
+    local id = string.match(raw, '^{"id":"([^"]*)"') or ''
+    local tries = tonumber(redis.call('GET', ARGV[4] .. id) or '0')
+    if last_chance > 0 and tries >= last_chance then
+      if alone_ok and #taken == 0 then
+        redis.call('LMOVE', KEYS[i], processing, 'LEFT', 'RIGHT')
+        taken[1], isolated = raw, 1
+      end
+      limit = 0  -- nothing more now: it runs alone, or waits for a worker that holds nothing
+      break
+    end
+    redis.call('LMOVE', KEYS[i], processing, 'LEFT', 'RIGHT')
+    taken[#taken + 1] = raw
+  end
+end
+if #taken > 0 then
+  local drained = ARGV[5] .. redis.call('TIME')[1]
+  redis.call('INCRBY', drained, #taken)
+  redis.call('EXPIRE', drained, tonumber(ARGV[6]))
+end
+return {isolated, taken}
+"""
+
+# Put a dead worker's jobs back at the front of their queues, newest first so the oldest ends up
+# first in line, counting one more attempt for each; a job out of attempts is answered with
+# ARGV[1] (a Failure) instead. KEYS: the dead worker's processing list, the model's wake list.
+# ARGV: the failure, max attempts, then the key prefixes. Returns {jobs requeued, jobs failed}.
+_REQUEUE = """
+local requeued, failed = 0, 0
+while true do
+  local raw = redis.call('RPOP', KEYS[1])
+  if not raw then break end
+  local id = string.match(raw, '^{"id":"([^"]*)"') or ''
+  local priority = string.match(raw, '"priority":(-?%d+)}$') or '0'
+  local tries = redis.call('INCR', ARGV[3] .. id)
+  redis.call('EXPIRE', ARGV[3] .. id, tonumber(ARGV[7]))
+  if tries >= tonumber(ARGV[2]) then
+    redis.call('SET', ARGV[4] .. id, ARGV[1], 'EX', tonumber(ARGV[6]))
+    redis.call('PUBLISH', ARGV[5] .. id, ARGV[1])
+    failed = failed + 1
+  else
+    redis.call('LPUSH', ARGV[8] .. priority, raw)
+    requeued = requeued + 1
+  end
+end
+if requeued > 0 then redis.call('LPUSH', KEYS[2], '1') end
+return {requeued, failed}
+"""
 
 
 class JobQueue:
-    def __init__(self, client: redis.Redis, worker_id: str, model: str, answer_ttl_s: int = 300):
+    def __init__(self, client: redis.Redis, worker_id: str, model: str, answer_ttl_s: int = 300,
+                 max_attempts: int = 2):
         self.redis = client
         self.worker_id = worker_id
         self.model = model
         self.answer_ttl_s = answer_ttl_s
-        self._queue = keys.queue(model)
+        self.max_attempts = max_attempts
+        self.isolated: set[str] = set()  # held jobs that run alone: their earlier worker died
+        self._wake = keys.wake(model)
         self._processing = keys.processing(worker_id)
+        self._take_script = client.register_script(_TAKE)
+        self._requeue_script = client.register_script(_REQUEUE)
         self._raw: dict[str, bytes] = {}  # job id -> its exact JSON, which LREM needs
         self._tokenizer_files: dict[str, bytes] = {}
 
     # Taking jobs
 
-    def take(self, limit: int, wait_s: float, block_s: float) -> list[Job]:
-        """Up to `limit` jobs: wait up to `block_s` for the first, then `wait_s` more for the rest."""
+    def take(self, limit: int, wait_s: float, block_s: float, alone_ok: bool = True) -> list[Job]:
+        """Up to `limit` jobs, most urgent queue first: wait up to `block_s` for the first, then
+        `wait_s` more for the rest. A job whose worker died before runs alone (`alone_ok`: this
+        worker holds nothing), so that if it kills this worker too, it alone is to blame."""
         if limit <= 0:
             return []
-        first = self._move(block_s)
-        if first is None:
+        raws = self._take_now(limit, alone_ok)
+        if not raws and block_s > 0:
+            self._wait_for_work(block_s)
+            raws = self._take_now(limit, alone_ok)
+        if not raws:
             return []
-        raws = [first]
         deadline = time.monotonic() + wait_s
-        while True:
-            raws += self._move_queued(limit - len(raws))
+        while len(raws) < limit and not self.isolated:
             left = deadline - time.monotonic()
-            if len(raws) >= limit or left <= 0:
+            if left <= 0:
                 break
-            # Polled, not a BLMOVE: Redis checks a blocked client's timeout only every ~100 ms
-            # (hz 10), so a 5 ms BLMOVE on an empty queue can hold the whole batch for 100 ms.
+            # Polled, not blocked: Redis checks a blocked client's timeout only every ~100 ms
+            # (hz 10), so a 5 ms block on an empty queue can hold the whole batch for 100 ms.
             time.sleep(min(FILL_POLL_S, left))
+            raws += self._take_now(limit - len(raws), alone_ok=False)
         return [job for job in map(self._parse, raws) if job is not None]
 
-    def _move_queued(self, count: int) -> list[bytes]:
-        """Up to `count` jobs already queued, in one round trip."""
-        pipe = self.redis.pipeline(transaction=False)
-        for _ in range(count):
-            pipe.lmove(self._queue, self._processing, "LEFT", "RIGHT")
-        return [raw for raw in pipe.execute() if raw is not None]
+    def _take_now(self, limit: int, alone_ok: bool) -> list[bytes]:
+        isolated, raws = self._take_script(
+            keys=[*keys.queues(self.model), self._processing],
+            args=[limit, int(alone_ok), self.max_attempts - 1, keys.attempts(""),
+                  keys.drained_prefix(self.model), DRAINED_TTL_S])
+        if isolated:
+            self.isolated.add(_job_id(raws[0]))
+        return raws
 
-    def _move(self, block_s: float):
-        """One job from the queue into the processing list, waiting up to block_s for it."""
-        if block_s <= 0:
-            return self.redis.lmove(self._queue, self._processing, "LEFT", "RIGHT")
+    def _wait_for_work(self, block_s: float) -> None:
+        """Block until the API pushes something (it adds a token to the wake list) or block_s."""
         started = time.monotonic()
-        raw = self.redis.blmove(self._queue, self._processing, block_s, "LEFT", "RIGHT")
-        if raw is None and time.monotonic() - started < block_s / 2:
-            # The embedded stand-in for Redis (fakeredis) answers BLMOVE at once: don't spin on it.
+        if self.redis.blpop([self._wake], block_s) is None and time.monotonic() - started < block_s / 2:
+            # The embedded stand-in for Redis (fakeredis) answers a blocking pop at once: don't spin.
             time.sleep(min(block_s, STAND_IN_POLL_S))
-        return raw
 
     def _parse(self, raw: bytes):
         try:
@@ -125,6 +198,7 @@ class JobQueue:
         pipe.execute()
         for job_id in job_ids:
             self._raw.pop(job_id, None)
+            self.isolated.discard(job_id)
 
     def cancelled(self, job_ids: list[str]) -> set[str]:
         """Jobs whose client went away."""
@@ -158,18 +232,27 @@ class JobQueue:
             self.redis.hdel(keys.WORKERS, self.worker_id)
 
     def requeue_dead_workers(self) -> int:
-        """Put the jobs of workers without a heartbeat back at the front of their queues."""
+        """Put the jobs of workers without a heartbeat back in their queues; a job that has now
+        lost `max_attempts` workers is failed instead, so a job that kills workers stops there."""
         total = 0
+        crashed = encode_result(Failure(
+            message=f"the request's worker died while writing it, {self.max_attempts} time(s): "
+                    f"it was not tried again", code="worker_crashed"))
         for worker_id, model in self.redis.hgetall(keys.WORKERS).items():
             worker_id, model = worker_id.decode(), model.decode()
             if self.redis.exists(keys.heartbeat(worker_id)):
                 continue
-            moved = 0
-            # Newest first onto the head of the queue, so the oldest job ends up first in line.
-            while self.redis.lmove(keys.processing(worker_id), keys.queue(model), "RIGHT", "LEFT"):
-                moved += 1
+            requeued, failed = self._requeue_script(
+                keys=[keys.processing(worker_id), keys.wake(model)],
+                args=[crashed, self.max_attempts, keys.attempts(""), keys.answer(""), keys.channel(""),
+                      self.answer_ttl_s, ATTEMPTS_TTL_S, keys.queue_prefix(model)])
             self.redis.hdel(keys.WORKERS, worker_id)
-            if moved:
-                log.warning("worker %s is gone: %d job(s) back in the queue", worker_id, moved)
-            total += moved
+            if requeued or failed:
+                log.warning("worker %s is gone: %d job(s) back in the queue, %d failed after %d "
+                            "attempt(s)", worker_id, requeued, failed, self.max_attempts)
+            total += requeued
         return total
+
+
+def _job_id(raw: bytes) -> str:
+    return json.loads(raw)["id"]

@@ -44,6 +44,7 @@ class Worker:
         self._unpublished: list[Sequence] = []  # finished while Redis was unreachable
         self._left = threading.Event()  # the loop has ended: the heartbeat must stop too
         self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
+        self._crash_on = [int(t) for t in settings.crash_on_prompt.split(",")] if settings.crash_on_prompt else None
 
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -82,20 +83,26 @@ class Worker:
 
     def _admit(self) -> None:
         room = 0 if self.stopping.is_set() else self.engine.free_slots()
-        if not room:
+        if not room or (self.queue.isolated and self._running_alone()):
             return
         # A busy engine must not wait for Redis: jobs are taken between steps, whatever is there.
         block, fill = (0, 0) if self.engine.busy else (IDLE_BLOCK_S, self.settings.wait_ms / 1000)
         now = time.time()
-        for job in self.queue.take(room, fill, block):
+        for job in self.queue.take(room, fill, block, alone_ok=not self.engine.busy):
             if job.deadline < now:  # nobody is waiting for it any more
                 self.queue.fail([job.id], "the request's deadline passed before it was decoded", "timeout")
                 continue
+            if self._crash_on == job.prompt_ids:  # the test hook: die as a crashing job would make us
+                os.kill(os.getpid(), signal.SIGKILL)
             try:
                 self.engine.add(job)
             except Exception as exc:  # one bad job fails alone; the worker and its batch go on
                 log.exception("job %s refused", job.id)
                 self.queue.fail([job.id], f"the worker could not take this request: {exc}")
+
+    def _running_alone(self) -> bool:
+        """A job whose earlier worker died holds this worker alone until it is done."""
+        return any(s.id in self.queue.isolated for s in self.engine.sequences())
 
     def _step(self) -> None:
         held = self.engine.sequences()
