@@ -1,7 +1,8 @@
 """Run the whole service on this machine: Redis, the API and the workers, until Ctrl-C.
 
 Redis: the one at REDIS_URL if it answers; otherwise a redis-server started here when one is
-installed; otherwise an embedded stand-in (fakeredis' TCP server) inside this process.
+installed; otherwise an embedded stand-in (fakeredis' TCP server) inside this process. A redis-server
+started here gets REDIS_URL's password; for a rediss:// (TLS) URL nothing is started.
 """
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ import sys
 import threading
 import time
 import urllib.request
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
 import redis
 
+from shared.redis_client import connect, explain, masked
 from shared.settings import Settings
 
 READY_TIMEOUT_S = 300
@@ -30,31 +32,51 @@ STOP_TIMEOUT_S = 60  # a worker finishing the requests it holds, gunicorn its op
 def ensure_redis(url: str) -> tuple[str, list[subprocess.Popen]]:
     """Make sure something answers at `url`; say what it is, and return any process started."""
     try:
-        redis.Redis.from_url(url, socket_connect_timeout=1).ping()
-        return f"Redis already running at {url}", []
+        connect(url, socket_connect_timeout=1).ping()
+        return f"Redis already running at {masked(url)}", []
+    except redis.AuthenticationError as exc:  # a Redis answers and refuses us: another would not help
+        raise SystemExit(f"Redis at {masked(url)}: {explain(exc)}")
     except redis.RedisError:
         pass
     parsed = urlparse(url)
+    if parsed.scheme == "rediss":
+        raise SystemExit(f"nothing answers at {masked(url)}, and serve.py starts no TLS Redis: start "
+                         f"yours (redis-server --tls-port ...), or give a redis:// URL")
+    if parsed.username and unquote(parsed.username) != "default":
+        raise SystemExit(f"nothing answers at {masked(url)}, and a Redis started here knows no user "
+                         f"{unquote(parsed.username)!r}: start yours, or give redis://:PASSWORD@host:port/0")
     host, port = parsed.hostname or "127.0.0.1", parsed.port or 6379
+    password = unquote(parsed.password or "")
     binary = shutil.which("redis-server")
     if binary:
         # Its own session: Ctrl-C in the terminal must not stop Redis before the workers are done.
-        process = subprocess.Popen([binary, "--bind", host, "--port", str(port), "--save", "",
-                                    "--appendonly", "no"], stdout=subprocess.DEVNULL,
+        # The password goes in on stdin ("-": config from stdin), never in the command line `ps` shows.
+        process = subprocess.Popen([binary, "-", "--bind", host, "--port", str(port), "--save", "",
+                                    "--appendonly", "no"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                    start_new_session=True)
+        process.stdin.write(f"requirepass {_config_string(password)}\n".encode() if password else b"")
+        process.stdin.close()
         try:
             wait_for_redis(url)
         except BaseException:  # not ours to leave running: the caller never learns of it
             process.kill()
             process.wait()
             raise
-        return f"started redis-server at {url}", [process]
+        return f"started redis-server at {masked(url)}", [process]
+    if password:
+        raise SystemExit(f"nothing answers at {masked(url)}, and without redis-server installed the "
+                         f"embedded stand-in takes no password: install redis-server, or drop the password")
     from fakeredis import TcpFakeServer  # a stand-in: fine for trying things out, not for production
 
     server = TcpFakeServer((host, port), server_type="redis")
     threading.Thread(target=server.serve_forever, daemon=True).start()
     wait_for_redis(url)
-    return f"no redis-server installed: embedded stand-in (fakeredis) at {url}", []
+    return f"no redis-server installed: embedded stand-in (fakeredis) at {masked(url)}", []
+
+
+def _config_string(text: str) -> str:
+    """`text` as one quoted redis.conf argument, every byte hex-escaped: spaces and quotes are safe."""
+    return '"' + "".join(f"\\x{byte:02x}" for byte in text.encode()) + '"'
 
 
 def free_port() -> int:
@@ -65,14 +87,14 @@ def free_port() -> int:
 
 
 def wait_for_redis(url: str) -> None:
-    client = redis.Redis.from_url(url, socket_connect_timeout=1)
+    client = connect(url, socket_connect_timeout=1)
     for _ in range(100):
         try:
             client.ping()
             return
         except redis.RedisError:
             time.sleep(0.1)
-    raise SystemExit(f"Redis did not come up at {url}")
+    raise SystemExit(f"Redis did not come up at {masked(url)}")
 
 
 def process_name(process: subprocess.Popen) -> str:
@@ -125,9 +147,9 @@ def wait_until_served(base_url: str, processes: list[subprocess.Popen]) -> list[
         exited = [p for p in processes if p.poll() is not None]
         if exited:
             raise SystemExit(f"{describe_exit(exited[0])} during start-up: see its output above")
-        try:
-            with urllib.request.urlopen(f"{base_url}/models", timeout=2) as response:
-                models = [m["id"] for m in json.load(response)["data"]]
+        try:  # /health, not /v1/models: it stays open when API keys guard /v1
+            with urllib.request.urlopen(f"{base_url.removesuffix('/v1')}/health", timeout=2) as response:
+                models = json.load(response)["models"]
             if models:
                 return models
         except OSError:
@@ -233,9 +255,9 @@ def main() -> None:
     except Exception as exc:
         status, reason = 1, f"{type(exc).__name__}: {exc}"
     finally:
-        if reason:
-            print(f"serve.py: {reason}; stopping everything it started", file=sys.stderr, flush=True)
         service.stop()
+    if reason:  # last, after the children's own farewells, so it is the line the user sees
+        print(f"serve.py: {reason}; stopped everything it had started", file=sys.stderr, flush=True)
     sys.exit(status)
 
 

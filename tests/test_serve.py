@@ -1,0 +1,175 @@
+"""serve.py cleans up after itself: whatever stops it, during start-up or after, nothing it started
+is left running, registered in Redis or listening, and it says why in one line.
+
+Every serve.py here runs with a unique STORYTELLER_TEST_TAG in its environment, which its children
+inherit: scanning /proc/*/environ for the tag finds every process it left behind, whatever it is.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from serve import free_port, port_is_free
+from shared import keys
+from tests.processes import ROOT, _env
+
+READY_TIMEOUT_S = 120  # a worker of the tiny model is ready in a few seconds on an idle machine
+EXIT_TIMEOUT_S = 60
+
+
+@pytest.fixture
+def tag():
+    """A unique tag for this test's processes; any still running at the end are killed."""
+    value = uuid.uuid4().hex
+    yield value
+    for pid in tagged(value):
+        os.kill(pid, signal.SIGKILL)
+
+
+def tagged(tag: str) -> list[int]:
+    """Pids of the live processes whose environment carries the tag (zombies have none)."""
+    needle = f"STORYTELLER_TEST_TAG={tag}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            pass
+    return found
+
+
+def cmdline(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+
+
+class Serve:
+    """`python serve.py ...` with its output (and its children's) in files."""
+
+    def __init__(self, tmp_path: Path, tag: str, args: list[str], **env):
+        self.out, self.err = tmp_path / "serve.out", tmp_path / "serve.err"
+        with open(self.out, "wb") as out, open(self.err, "wb") as err:
+            self.process = subprocess.Popen([sys.executable, "serve.py", *args], cwd=ROOT, stdout=out,
+                                            stderr=err, env=_env(STORYTELLER_TEST_TAG=tag, **env))
+
+    def output(self) -> str:
+        return self.out.read_text(errors="replace") + self.err.read_text(errors="replace")
+
+    def last_error_line(self) -> str:
+        lines = [line for line in self.err.read_text(errors="replace").splitlines() if line.strip()]
+        return lines[-1] if lines else ""
+
+    def wait_until_ready(self) -> None:
+        give_up = time.monotonic() + READY_TIMEOUT_S
+        while "Storyteller is ready at" not in self.out.read_text(errors="replace"):
+            if self.process.poll() is not None:
+                pytest.fail(f"serve.py exited ({self.process.returncode}) before it was ready:\n"
+                            f"{self.output()[-4000:]}")
+            if time.monotonic() > give_up:
+                pytest.fail(f"serve.py not ready in {READY_TIMEOUT_S} s:\n{self.output()[-4000:]}")
+            time.sleep(0.2)
+
+    def wait(self) -> int:
+        try:
+            return self.process.wait(EXIT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"serve.py still running after {EXIT_TIMEOUT_S} s:\n{self.output()[-4000:]}")
+
+
+def assert_nothing_left(tag: str, *ports: int) -> None:
+    """No process of the tag alive (given a moment to be reaped), and every port free again."""
+    give_up = time.monotonic() + 5
+    while tagged(tag) and time.monotonic() < give_up:
+        time.sleep(0.1)
+    left = {pid: " ".join(cmdline(pid)) for pid in tagged(tag)}
+    assert not left, f"processes left behind: {left}"
+    for port in ports:
+        assert port_is_free("127.0.0.1", port), f"port {port} still taken"
+
+
+def assert_nobody_registered(client) -> None:
+    """The workers' traces in Redis: the registry, heartbeats and processing lists."""
+    assert client.hgetall(keys.WORKERS) == {}
+    assert client.keys(keys.heartbeat("*")) == []
+    assert client.keys(keys.processing("*")) == []
+
+
+def test_missing_model_stops_before_anything_starts(tmp_path, tag, real_redis, redis_server):
+    port = free_port()
+    serve = Serve(tmp_path, tag, ["--model", "/nonexistent"], REDIS_URL=redis_server.url, PORT=str(port))
+    assert serve.wait() != 0
+    assert "'/nonexistent': no such directory" in serve.last_error_line()
+    assert_nothing_left(tag, port)
+    assert_nobody_registered(real_redis)
+
+
+def test_api_port_taken_stops_before_anything_starts(tmp_path, tag, real_redis, redis_server, tiny_model_dirs):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        serve = Serve(tmp_path, tag, [], REDIS_URL=redis_server.url, PORT=str(port),
+                      MODEL=tiny_model_dirs["llama"])
+        assert serve.wait() != 0
+        assert f"port {port} on 127.0.0.1 is already in use" in serve.last_error_line()
+        assert_nothing_left(tag)
+    assert_nobody_registered(real_redis)
+    assert port_is_free("127.0.0.1", port)
+
+
+def test_worker_failing_at_start_up_stops_the_api_and_its_redis(tmp_path, tag):
+    # A directory that passes the up-front check but that no loader can read: the worker exits
+    # after the API and a redis-server of serve.py's own have started, and both must go with it.
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
+    port, redis_port = free_port(), free_port()
+    serve = Serve(tmp_path, tag, ["--model", str(broken)], REDIS_URL=f"redis://127.0.0.1:{redis_port}/0",
+                  PORT=str(port))
+    assert serve.wait() == 1
+    assert f"started redis-server at redis://127.0.0.1:{redis_port}/0" in serve.output()
+    line = serve.last_error_line()
+    assert line.startswith("serve.py: the worker (pid ") and "exited with status 1 during start-up" in line, \
+        serve.output()[-4000:]
+    assert_nothing_left(tag, port, redis_port)
+
+
+def test_stopped_with_sigterm_leaves_nothing_running_or_registered(tmp_path, tag, real_redis, redis_server,
+                                                                   tiny_model_dirs):
+    port = free_port()
+    serve = Serve(tmp_path, tag, ["--workers", "2"], REDIS_URL=redis_server.url, PORT=str(port),
+                  MODEL=tiny_model_dirs["llama"])
+    serve.wait_until_ready()
+    give_up = time.monotonic() + READY_TIMEOUT_S
+    while len(real_redis.hkeys(keys.WORKERS)) < 2 and time.monotonic() < give_up:  # the second one too
+        time.sleep(0.2)
+    assert len(real_redis.keys(keys.heartbeat("*"))) == 2
+    serve.process.send_signal(signal.SIGTERM)
+    assert serve.wait() == 0, serve.output()[-4000:]
+    assert "serve.py:" not in serve.err.read_text()  # a requested stop is no failure
+    assert_nothing_left(tag, port)
+    assert_nobody_registered(real_redis)
+
+
+def test_worker_killed_after_start_stops_the_rest(tmp_path, tag, real_redis, redis_server, tiny_model_dirs):
+    port = free_port()
+    serve = Serve(tmp_path, tag, [], REDIS_URL=redis_server.url, PORT=str(port), MODEL=tiny_model_dirs["llama"])
+    serve.wait_until_ready()
+    workers = [pid for pid in tagged(tag) if cmdline(pid)[1:3] == ["-m", "worker"]]
+    assert len(workers) == 1
+    os.kill(workers[0], signal.SIGKILL)
+    assert serve.wait() == 1
+    assert serve.last_error_line() == (f"serve.py: the worker (pid {workers[0]}) was killed by signal 9; "
+                                       f"stopped everything it had started")
+    assert_nothing_left(tag, port)
