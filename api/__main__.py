@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from gunicorn.app.base import BaseApplication
 
+from api.auth import load_keys
+from shared.redis_client import masked
 from shared.settings import Settings
 
 FLAGS = ["host", "port", "redis_url", "threads", "api_workers", "request_timeout", "max_queue", "worker_grace",
@@ -30,7 +32,7 @@ class _Gunicorn(BaseApplication):
             "keepalive": 5,
             "accesslog": None,
             "when_ready": lambda server: print(f"Storyteller API listening on {url} "
-                                                f"(Redis {s.redis_url})", flush=True),
+                                                f"(Redis {masked(s.redis_url)})", flush=True),
         }
         for key, value in options.items():
             self.cfg.set(key, value)
@@ -43,6 +45,7 @@ class _Gunicorn(BaseApplication):
 
 def main(argv=None) -> None:
     settings = Settings.parse(argv, FLAGS, "Storyteller completions API (OpenAI's shape)")
+    load_keys(settings)  # an unreadable keys file stops us here, not in every gunicorn worker
     _Gunicorn(settings).run()
 
 

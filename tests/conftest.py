@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from pathlib import Path
+from typing import Optional, Sequence
+from urllib.parse import urlparse
 
 import fakeredis
 import pytest
@@ -24,21 +27,28 @@ def fake_redis():
 
 
 class RedisServer:
-    """A private redis-server on a free port, which a test may stop and start again."""
+    """A private redis-server on a free port, which a test may stop and start again.
 
-    def __init__(self, directory: str):
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+    `url` and `extra_args` (appended, so they win) make another kind: one with a password
+    (`--requirepass`), or TLS on the URL's port (`--port 0 --tls-port ...`). Its output: `log`.
+    """
+
+    def __init__(self, directory: str, url: Optional[str] = None, extra_args: Sequence[str] = ()):
+        self.url = url or f"redis://127.0.0.1:{free_port()}/0"
+        self.port = urlparse(self.url).port
         self.directory = directory
+        self.extra_args = list(extra_args)
+        self.log = Path(directory) / "redis-server.log"
         self.process = None
 
     def start(self) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             pytest.fail("redis-server is not installed (the test command installs it: see .ci/run)")
-        self.process = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self.directory], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        with open(self.log, "ab") as log:
+            self.process = subprocess.Popen(
+                [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                 "--dir", self.directory, *self.extra_args], stdout=log, stderr=subprocess.STDOUT)
         wait_for_redis(self.url)
 
     def stop(self) -> None:

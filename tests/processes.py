@@ -87,5 +87,5 @@ def models_served(port: int) -> set[str]:
     return {m["id"] for m in get_json(f"http://127.0.0.1:{port}/v1/models")[1]["data"]}
 
 
-def make_client(port: int) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+def make_client(port: int, api_key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=api_key, max_retries=0, timeout=60)
