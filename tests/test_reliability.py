@@ -1,0 +1,193 @@
+"""Nothing lost under pressure and faults, with real processes on a private redis-server:
+a crowd beyond the queue's cap, a rolling restart of the only worker, a job that kills workers.
+"""
+from __future__ import annotations
+
+import re
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from serve import free_port
+from shared import keys
+from tests.conftest import RedisServer
+from tests.processes import get_json, logs, make_client, models_served, start, stop, wait_until
+
+pytestmark = pytest.mark.timeout(180)
+
+MODEL = "tiny-llama"
+
+
+@pytest.fixture
+def redis_alone(tmp_path):
+    server = RedisServer(str(tmp_path))
+    server.start()
+    yield server
+    server.stop()
+
+
+def _worker(model_dir: str, server: RedisServer, log_dir, name: str, *flags: str, **env):
+    return start(["worker", "--model", model_dir, "--dtype", "float32", "--wait", "5", *flags], log_dir, name,
+                 REDIS_URL=server.url, **env)
+
+
+def _api(server: RedisServer, log_dir, name: str, *flags: str):
+    port = free_port()
+    return port, start(["api", "--port", str(port), "--redis-url", server.url, *flags], log_dir, name)
+
+
+def _live_ids(client) -> list[str]:
+    ids = [i.decode() for i in client.hkeys(keys.WORKERS)]
+    return [i for i in ids if client.exists(keys.heartbeat(i))]
+
+
+class Paused:
+    """A worker stopped with SIGSTOP whose heartbeat the test keeps alive: to the API it is a live
+    worker that takes nothing, so the queue fills as it would behind a worker that is busy."""
+
+    def __init__(self, proc, client):
+        self.proc, self.client = proc, client
+        (self.worker_id,) = _live_ids(client)
+        self.beat = client.get(keys.heartbeat(self.worker_id))
+        self.done = threading.Event()
+        proc.send_signal(signal.SIGSTOP)
+        self.thread = threading.Thread(target=self._keep_alive, daemon=True)
+        self.thread.start()
+
+    def _keep_alive(self) -> None:
+        while not self.done.wait(0.3):
+            self.client.set(keys.heartbeat(self.worker_id), self.beat, px=3000)
+
+    def resume(self) -> None:
+        self.done.set()
+        self.thread.join()
+        self.proc.send_signal(signal.SIGCONT)
+
+
+@pytest.mark.parametrize("api_processes", [1, 2])
+def test_a_crowd_beyond_the_cap_gets_429_at_once_and_nothing_accepted_is_lost(
+        redis_alone, tiny_model_dirs, tmp_path, api_processes):
+    worker = _worker(tiny_model_dirs["llama"], redis_alone, tmp_path, "worker")
+    apis = [_api(redis_alone, tmp_path, f"api{i}", "--max-queue", "20") for i in range(api_processes)]
+    procs = [worker] + [p for _, p in apis]
+    try:
+        wait_until(lambda: all(MODEL in models_served(port) for port, _ in apis), procs, "the stack")
+        paused = Paused(worker, redis_alone.client())
+        clients = [make_client(port) for port, _ in apis]
+
+        def one(i: int):
+            began = time.monotonic()
+            try:
+                done = clients[i % len(clients)].completions.create(
+                    model=MODEL, prompt=f"Player {i} asks for a story", max_tokens=4,
+                    extra_body={"ignore_eos": True})
+                return "ok", time.monotonic() - began, done
+            except openai.RateLimitError as refused:
+                headers = refused.response.headers
+                return "429", time.monotonic() - began, (refused.code, headers.get("retry-after"))
+
+        with ThreadPoolExecutor(300) as pool:
+            futures = [pool.submit(one, i) for i in range(300)]
+            wait_until(lambda: sum(f.done() for f in futures) >= 280, procs, "the overflow's 429s", timeout=60)
+            queued = sum(redis_alone.client().llen(q) for q in keys.queues(MODEL))
+            # One at a time, with the queue full: what a single refusal costs, without the burst's
+            # queueing on 2 cores (300 client threads and the API share them).
+            alone = [one(1000 + i) for i in range(50)]
+            paused.resume()
+            results = [f.result(timeout=60) for f in futures]
+    finally:
+        for proc in procs:
+            stop(proc)
+    refused = [r for r in results if r[0] == "429"]
+    answered = [r for r in results if r[0] == "ok"]
+    assert queued == 20
+    assert len(refused) == 280 and len(answered) == 20, logs(*procs)
+    assert all(code == "queue_full" and int(retry) >= 1 for _, _, (code, retry) in refused)
+    assert all(kind == "429" and took < 0.1 for kind, took, _ in alone), sorted(t for _, t, _ in alone)
+    # In the burst, every refusal came before the worker resumed, and within seconds.
+    assert max(t for _, t, _ in refused) < 5
+    assert all(done.usage.completion_tokens == 4 for _, _, done in answered)
+
+
+def test_a_rolling_restart_of_the_only_worker_answers_every_request(redis_alone, tiny_model_dirs, tmp_path):
+    port, api = _api(redis_alone, tmp_path, "api", "--max-queue", "0")
+    old = _worker(tiny_model_dirs["llama"], redis_alone, tmp_path, "old", "--batch", "2")
+    new = None
+    try:
+        wait_until(lambda: MODEL in models_served(port), [old, api], "the stack")
+        client = make_client(port)
+        request = dict(model=MODEL, prompt="The innkeeper said", max_tokens=100, temperature=0,
+                       extra_body={"ignore_eos": True})
+        with ThreadPoolExecutor(16) as pool:
+            futures = [pool.submit(client.completions.create, stream=i % 2 == 0, **request) for i in range(16)]
+            wait_until(lambda: redis_alone.client().llen(keys.queue(MODEL)) > 0, [old, api], "a queue")
+            old.send_signal(signal.SIGTERM)  # as `docker compose up` does when it recreates a worker
+            assert old.wait(30) == 0, logs(old)
+            time.sleep(4)  # longer than a heartbeat's life: for a while no worker is alive at all
+            status, body = get_json(f"http://127.0.0.1:{port}/health")
+            assert body["workers"] == 0
+            with pytest.raises(openai.InternalServerError) as no_worker:
+                client.completions.create(model=MODEL, prompt="Late", max_tokens=2)
+            assert no_worker.value.status_code == 503
+            assert int(no_worker.value.response.headers["retry-after"]) >= 1
+            new = _worker(tiny_model_dirs["llama"], redis_alone, tmp_path, "new")
+            answers = [f.result(timeout=90) for f in futures]
+    finally:
+        stop(api), stop(old)
+        if new:
+            stop(new)
+    texts = set()
+    for answer in answers:
+        if isinstance(answer, openai.Stream):
+            texts.add("".join(chunk.choices[0].text for chunk in answer))
+        else:
+            assert answer.usage.completion_tokens == 100
+            texts.add(answer.choices[0].text)
+    assert len(texts) == 1, "greedy answers to one prompt differ"
+    assert re.search(r"stopping: finishing [12] request", logs(old))
+
+
+def test_a_job_that_kills_its_worker_fails_after_its_attempts_and_the_rest_complete(
+        redis_alone, tiny_model_dirs, tmp_path):
+    poison = [7, 7, 7, 7, 7]
+    port, api = _api(redis_alone, tmp_path, "api")
+    started = []
+
+    def supervise():  # restarts the worker whenever it dies, as compose's `restart: always` would
+        while not stopping.is_set():
+            if not started or started[-1].poll() is not None:
+                started.append(_worker(tiny_model_dirs["llama"], redis_alone, tmp_path, f"w{len(started)}",
+                                       "--batch", "8", "--wait", "300", CRASH_ON_PROMPT="7,7,7,7,7"))
+            time.sleep(0.2)
+
+    stopping = threading.Event()
+    supervisor = threading.Thread(target=supervise, daemon=True)
+    supervisor.start()
+    try:
+        wait_until(lambda: MODEL in models_served(port), [api], "the stack")
+        client = make_client(port)
+        prompts = [[5, 6, 8, 9], poison, [10, 11, 12], [13, 14]]
+        with ThreadPoolExecutor(4) as pool:  # one batch: the worker waits 300 ms for it to fill
+            futures = [pool.submit(lambda p: client.completions.create(model=MODEL, prompt=p, max_tokens=5),
+                                   p) for p in prompts]
+            outcomes = []
+            for future in futures:
+                try:
+                    outcomes.append(future.result(timeout=120).usage.completion_tokens)
+                except openai.InternalServerError as failed:
+                    outcomes.append(failed.code)
+    finally:
+        stopping.set()
+        supervisor.join()
+        stop(api)
+        for proc in started:
+            stop(proc)
+    assert outcomes[1] == "worker_crashed", logs(*started)
+    assert all(isinstance(o, int) and 1 <= o <= 5 for i, o in enumerate(outcomes) if i != 1), outcomes
+    # Two workers died (the attempts), the third served the rest; not one more.
+    assert [p.returncode for p in started[:2]] == [-signal.SIGKILL] * 2
+    assert len(started) == 3
