@@ -60,7 +60,10 @@ def create_app(settings: Optional[Settings] = None, client: Optional[redis.Redis
 
     @app.errorhandler(HTTPException)
     def http_error(exc: HTTPException):
-        return ApiError(exc.code or 500, exc.description or exc.name).response()
+        body, status, headers = ApiError(exc.code or 500, exc.description or exc.name).response()
+        # A 405 must name the methods the path takes (RFC 9110): werkzeug's Allow header is kept.
+        headers.update((name, value) for name, value in exc.get_headers() if name == "Allow")
+        return body, status, headers
 
     @app.errorhandler(Exception)
     def unexpected(exc: Exception):

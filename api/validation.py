@@ -9,7 +9,10 @@ from shared.protocol import PRIORITY_DEFAULT, PRIORITY_MAX, PRIORITY_MIN, Sampli
 
 MAX_CHOICES = 8
 MAX_STOPS = 4
+MAX_STOP_CHARS = 256    # each stop string: the worker looks for every one after every token
 MAX_PROMPTS = 64
+MAX_TOTAL_CHOICES = 64  # n x prompts: the jobs one request may queue
+MAX_MESSAGES = 512
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
 
 Prompt = Union[str, list[int]]  # text, or token ids already
@@ -20,6 +23,7 @@ class CompletionRequest:
     model: str
     params: SamplingParams
     max_tokens: Optional[int]  # None: all the room the context window leaves
+    max_tokens_param: str = "max_tokens"  # the field it came from, for errors
     n: int = 1
     stream: bool = False
     include_usage: bool = False
@@ -30,7 +34,9 @@ class CompletionRequest:
 
 def _kind_ok(value, kind) -> bool:
     if kind is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        # JSON has one kind of number: 2.0 is the integer 2 (JSON Schema's "integer" says so too).
+        integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+        return integral and not isinstance(value, bool)
     if kind is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     return isinstance(value, kind)
@@ -49,7 +55,7 @@ def _get(body: dict, name: str, kind, default=None, *, required: bool = False):
     if not _kind_ok(value, kind):
         raise bad_request(f"'{name}' must be {_KIND_NAMES[kind]}, not {type(value).__name__}: {value!r}",
                           param=name, code="invalid_type")
-    return value
+    return int(value) if kind is int else value
 
 
 def _check(ok: bool, name: str, message: str) -> None:
@@ -57,10 +63,15 @@ def _check(ok: bool, name: str, message: str) -> None:
         raise bad_request(f"'{name}' {message}", param=name, code="invalid_value")
 
 
-def _sampling(body: dict, max_tokens_name: str = "max_tokens", default_max: Optional[int] = None):
-    max_tokens = _get(body, max_tokens_name, int, default_max)
+def _max_tokens(body: dict, name: str, default: Optional[int]) -> Optional[int]:
+    max_tokens = _get(body, name, int, default)
     if max_tokens is not None:
-        _check(max_tokens >= 1, max_tokens_name, f"must be at least 1, got {max_tokens}")
+        _check(max_tokens >= 1, name, f"must be at least 1, got {max_tokens}")
+    return max_tokens
+
+
+def _sampling(body: dict, max_tokens_name: str = "max_tokens", default_max: Optional[int] = None):
+    max_tokens = _max_tokens(body, max_tokens_name, default_max)
     temperature = float(_get(body, "temperature", float, 1.0))
     _check(0 <= temperature <= 2, "temperature", f"must be between 0 and 2, got {temperature}")
     top_p = float(_get(body, "top_p", float, 1.0))
@@ -79,6 +90,8 @@ def _sampling(body: dict, max_tokens_name: str = "max_tokens", default_max: Opti
         raise bad_request("'stop' must be a string or an array of strings", param="stop", code="invalid_type")
     _check(len(stop) <= MAX_STOPS, "stop", f"takes at most {MAX_STOPS} sequences, got {len(stop)}")
     _check(all(stop), "stop", "sequences must not be empty")
+    _check(all(len(s) <= MAX_STOP_CHARS for s in stop), "stop",
+           f"sequences must be at most {MAX_STOP_CHARS} characters, got {max(map(len, stop), default=0)}")
     # max_tokens here is a placeholder: the API sets it once it knows the room the prompt leaves.
     params = SamplingParams(max_tokens=max_tokens or 1, temperature=temperature, top_p=top_p,
                             top_k=max(top_k, 0), seed=seed, stop=stop,
@@ -96,22 +109,34 @@ def _common(body, max_tokens_name: str, default_max: Optional[int], **fields) ->
     _check(1 <= n <= MAX_CHOICES, "n", f"must be between 1 and {MAX_CHOICES}, got {n}")
     _get(body, "user", str)
     options = _get(body, "stream_options", dict, {})
+    include_usage = options.get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise bad_request(f"'stream_options.include_usage' must be a boolean, not {include_usage!r}",
+                          param="stream_options.include_usage", code="invalid_type")
     priority = _get(body, "priority", int, PRIORITY_DEFAULT)
     _check(PRIORITY_MIN <= priority <= PRIORITY_MAX, "priority",
            f"must be between {PRIORITY_MIN} (most urgent) and {PRIORITY_MAX}, got {priority}")
-    return CompletionRequest(model=model, params=params, max_tokens=max_tokens, n=n, priority=priority,
-                             stream=_get(body, "stream", bool, False),
-                             include_usage=bool(options.get("include_usage")), **fields)
+    return CompletionRequest(model=model, params=params, max_tokens=max_tokens, max_tokens_param=max_tokens_name,
+                             n=n, priority=priority, stream=_get(body, "stream", bool, False),
+                             include_usage=bool(include_usage), **fields)
 
 
 def parse_completion(body) -> CompletionRequest:
     prompts = _prompts(body.get("prompt") if isinstance(body, dict) else None)
-    return _common(body, "max_tokens", 16, prompts=prompts)
+    req = _common(body, "max_tokens", 16, prompts=prompts)
+    _check(req.n * len(prompts) <= MAX_TOTAL_CHOICES, "n",
+           f"times the number of prompts must be at most {MAX_TOTAL_CHOICES} choices in all, "
+           f"got {req.n} x {len(prompts)}")
+    return req
 
 
 def parse_chat(body) -> CompletionRequest:
     raw = body.get("messages") if isinstance(body, dict) else None
-    name = "max_completion_tokens" if isinstance(body, dict) and "max_completion_tokens" in body else "max_tokens"
+    # max_completion_tokens is OpenAI's newer name; given, it wins over max_tokens.
+    given = isinstance(body, dict) and body.get("max_completion_tokens") is not None
+    name = "max_completion_tokens" if given else "max_tokens"
+    if given:  # max_tokens is then unused, but a wrong one is still a mistake worth hearing about
+        _max_tokens(body, "max_tokens", None)
     return _common(body, name, None, messages=_messages(raw))
 
 
@@ -131,6 +156,7 @@ def _prompts(prompt) -> list[Prompt]:
         raise bad_request("'prompt' must be a string, an array of strings, or token ids",
                           param="prompt", code="invalid_type")
     _check(len(prompts) <= MAX_PROMPTS, "prompt", f"takes at most {MAX_PROMPTS} prompts, got {len(prompts)}")
+    prompts = [p if isinstance(p, str) else [int(t) for t in p] for p in prompts]
     _check(all(len(p) > 0 for p in prompts), "prompt", "must not be empty")
     return prompts
 
@@ -140,6 +166,7 @@ def _messages(messages) -> list[dict]:
         raise bad_request("you must provide 'messages'", param="messages", code="missing_required_parameter")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty array", param="messages", code="invalid_type")
+    _check(len(messages) <= MAX_MESSAGES, "messages", f"takes at most {MAX_MESSAGES} messages, got {len(messages)}")
     clean = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
@@ -159,3 +186,11 @@ def _messages(messages) -> list[dict]:
                               code="invalid_type")
         clean.append({"role": role, "content": content})
     return clean
+
+
+def check_max_tokens(req: CompletionRequest, context_window: int) -> None:
+    """More tokens than the model's whole window is a mistake, not a wish to fill it: a 400.
+    (max_tokens within the window but beyond the room the prompt leaves is cut to the room.)"""
+    if req.max_tokens is not None and req.max_tokens > context_window:
+        raise bad_request(f"'{req.max_tokens_param}' is {req.max_tokens}, more than this model's context window "
+                          f"of {context_window} tokens", param=req.max_tokens_param, code="invalid_value")

@@ -1,0 +1,271 @@
+"""The API's OpenAPI 3.2 description, served at /openapi.json.
+
+Built as Python data from the limits api/validation.py enforces, so a changed limit changes the
+description too; tests/test_openapi_fuzz.py checks the running API against it.
+"""
+from __future__ import annotations
+
+from api.errors import _TYPES as ERROR_TYPES
+from api.validation import (CHAT_ROLES, MAX_CHOICES, MAX_MESSAGES, MAX_PROMPTS, MAX_STOP_CHARS, MAX_STOPS,
+                            MAX_TOTAL_CHOICES)
+from shared.protocol import PRIORITY_DEFAULT, PRIORITY_MAX, PRIORITY_MIN
+
+# A seed is offset by the choice index and must still fit in 64 bits (see validation._sampling).
+SEED_LIMIT = 2**63 - MAX_CHOICES - 1
+
+
+def _ref(kind: str, name: str) -> dict:
+    return {"$ref": f"#/components/{kind}/{name}"}
+
+
+def _nullable(schema: dict, description: str = "") -> dict:
+    """An optional field: null means the same as leaving it out."""
+    out = {"anyOf": [schema, {"type": "null"}]}
+    if description:
+        out["description"] = description
+    return out
+
+
+def _error_response(description: str, retry_after: str = "") -> dict:
+    """`retry_after`: "" (no header), "optional" or "required"."""
+    response = {"description": description,
+                "content": {"application/json": {"schema": _ref("schemas", "Error")}}}
+    if retry_after:
+        response["headers"] = {"Retry-After": {"description": "seconds to wait before trying again",
+                                               "required": retry_after == "required",
+                                               "schema": {"type": "integer", "minimum": 0}}}
+    return response
+
+
+def _responses() -> dict:
+    return {
+        "BadRequest": _error_response(
+            "A field is wrong: `param` names it (e.g. `prompt`, `messages[2].content`, `stop`); "
+            "`code` is `invalid_type`, `invalid_value`, `missing_required_parameter`, `invalid_json` "
+            "or `context_length_exceeded` (the prompt leaves no room to write)."),
+        "Unauthorized": _error_response(
+            "API keys are configured and the request has no valid `Authorization: Bearer <key>` "
+            "(`code`: `invalid_api_key`)."),
+        "NotFound": _error_response("No live worker serves this model (`code`: `model_not_found`, "
+                                    "`param`: `model`); the message lists the models served."),
+        "PayloadTooLarge": _error_response("The body is larger than the API reads (4 MiB)."),
+        "TooManyRequests": _error_response(
+            "Too much waiting: the model's queue is full (`code`: `queue_full`) or this API key made "
+            "too many requests this minute (`code`: `rate_limit_exceeded`). Retry after the header's "
+            "seconds.", retry_after="required"),
+        "ServerError": _error_response("The worker failed to write the answer, or an unexpected error."),
+        "Unavailable": _error_response(
+            "Redis is unreachable, no worker is running, or the model's workers went away "
+            "(`code`: `service_unavailable`).", retry_after="optional"),
+        "Timeout": _error_response("The answer was not written within the request timeout "
+                                   "(`code`: `timeout`)."),
+    }
+
+
+def _error_schemas() -> dict:
+    return {
+        "Error": {
+            "type": "object", "required": ["error"], "additionalProperties": False,
+            "properties": {"error": {
+                "type": "object", "additionalProperties": False,
+                "required": ["message", "type", "param", "code"],
+                "properties": {
+                    "message": {"type": "string"},
+                    "type": {"type": "string", "enum": sorted(set(ERROR_TYPES.values()) | {"api_error"})},
+                    "param": {"type": ["string", "null"], "description": "the field at fault, if one is"},
+                    "code": {"type": ["string", "null"]},
+                }}},
+        },
+    }
+
+
+def _sampling_properties() -> dict:
+    """The fields completions and chat share."""
+    return {
+        "model": {"type": "string", "description": "a model served here: see GET /v1/models"},
+        "max_tokens": _nullable({"type": "integer", "minimum": 1},
+                                "most tokens to write (completions: 16 when left out; chat: all the room). "
+                                "More than the model's context window is a 400; more than the room the "
+                                "prompt leaves is cut to that room."),
+        "temperature": _nullable({"type": "number", "minimum": 0, "maximum": 2}, "0 is greedy; default 1"),
+        "top_p": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1}, "default 1"),
+        "top_k": _nullable({"type": "integer", "minimum": -1}, "-1 or 0: off (default)"),
+        "n": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_CHOICES},
+                       f"choices per prompt (default 1); completions: n x prompts at most {MAX_TOTAL_CHOICES}"),
+        "stop": _nullable({"anyOf": [
+            _ref("schemas", "StopSequence"),
+            {"type": "array", "maxItems": MAX_STOPS, "items": _ref("schemas", "StopSequence")},
+        ]}, "text that ends a choice (not included in it)"),
+        "seed": _nullable({"type": "integer", "minimum": -SEED_LIMIT, "maximum": SEED_LIMIT},
+                          "same seed, same text (choice i uses seed + i)"),
+        "stream": _nullable({"type": "boolean"}, "answer as server-sent events (default false)"),
+        "stream_options": _nullable({
+            "type": "object",
+            "properties": {"include_usage": _nullable({"type": "boolean"},
+                                                      "a last chunk with the usage, before [DONE]")}}),
+        "user": _nullable({"type": "string"}, "accepted for OpenAI's clients; unused"),
+        "ignore_eos": _nullable({"type": "boolean"}, "keep writing past end-of-text (vLLM's field)"),
+        "priority": _nullable({"type": "integer", "minimum": PRIORITY_MIN, "maximum": PRIORITY_MAX},
+                              f"lower is served first (vLLM's field); default {PRIORITY_DEFAULT}"),
+    }
+
+
+def _request_schemas() -> dict:
+    token_ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0},
+                 "description": "token ids, each below the model's vocabulary size"}
+    text_part = {"type": "object", "required": ["type", "text"],
+                 "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
+    sampling = _sampling_properties()
+    return {
+        "StopSequence": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
+        "TokenIds": token_ids,
+        "Prompt": {
+            "description": "a string, token ids, or an array of either: one prompt each",
+            "anyOf": [
+                {"type": "string", "minLength": 1},
+                _ref("schemas", "TokenIds"),
+                {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS,
+                 "items": {"anyOf": [{"type": "string", "minLength": 1}, _ref("schemas", "TokenIds")]}},
+            ]},
+        "Message": {
+            "type": "object", "required": ["role", "content"],
+            "properties": {
+                "role": {"type": "string", "enum": list(CHAT_ROLES)},
+                "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": text_part}],
+                            "description": "text, or text parts (joined)"},
+            }},
+        "CompletionRequest": {
+            "type": "object", "required": ["model", "prompt"],
+            "properties": {**sampling, "prompt": _ref("schemas", "Prompt")},
+        },
+        "ChatCompletionRequest": {
+            "type": "object", "required": ["model", "messages"],
+            "properties": {
+                **sampling,
+                "messages": {"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES,
+                             "items": _ref("schemas", "Message"),
+                             "description": "rendered with the model's chat template"},
+                "max_completion_tokens": _nullable({"type": "integer", "minimum": 1},
+                                                   "OpenAI's newer name for max_tokens; wins when both are given"),
+            },
+        },
+    }
+
+
+def _answer_schemas() -> dict:
+    count = {"type": "integer", "minimum": 0}
+    finish = {"type": ["string", "null"], "enum": ["stop", "length", None]}
+    completion_choice = {"type": "object", "required": ["text", "index", "finish_reason"],
+                         "properties": {"text": {"type": "string"}, "index": count,
+                                        "logprobs": {"type": "null"}, "finish_reason": finish}}
+    message = {"type": "object", "required": ["role", "content"],
+               "properties": {"role": {"type": "string", "enum": ["assistant"]}, "content": {"type": "string"}}}
+    delta = {"type": "object", "properties": {"role": {"type": "string", "enum": ["assistant"]},
+                                              "content": {"type": "string"}}}
+
+    def envelope(object_name: str, choice: dict, usage_required: bool) -> dict:
+        return {"type": "object",
+                "required": ["id", "object", "created", "model", "choices"] + (["usage"] if usage_required else []),
+                "properties": {"id": {"type": "string"}, "object": {"type": "string", "enum": [object_name]},
+                               "created": {"type": "integer"}, "model": {"type": "string"},
+                               "choices": {"type": "array", "items": choice}, "usage": _ref("schemas", "Usage")}}
+
+    def chat_choice(body_name: str, body: dict) -> dict:
+        return {"type": "object", "required": ["index", body_name, "finish_reason"],
+                "properties": {"index": count, body_name: body, "logprobs": {"type": "null"},
+                               "finish_reason": finish}}
+
+    return {
+        "Usage": {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+                  "properties": {"prompt_tokens": count, "completion_tokens": count, "total_tokens": count}},
+        "Completion": envelope("text_completion", completion_choice, usage_required=True),
+        "ChatCompletion": envelope("chat.completion", chat_choice("message", message), usage_required=True),
+        # Streamed: a chunk per piece of text; with include_usage, a last chunk with no choices and the usage.
+        "CompletionChunk": envelope("text_completion", completion_choice, usage_required=False),
+        "ChatCompletionChunk": envelope("chat.completion.chunk", chat_choice("delta", delta), usage_required=False),
+        "ModelList": {
+            "type": "object", "required": ["object", "data"],
+            "properties": {"object": {"type": "string", "enum": ["list"]}, "data": {"type": "array", "items": {
+                "type": "object", "required": ["id", "object", "created", "owned_by", "context_window"],
+                "properties": {"id": {"type": "string"}, "object": {"type": "string", "enum": ["model"]},
+                               "created": {"type": "integer"}, "owned_by": {"type": "string"},
+                               "context_window": {"type": "integer", "minimum": 1,
+                                                  "description": "prompt and answer tokens together"},
+                               "workers": count}}}}},
+        "Health": {
+            "type": "object", "required": ["status", "workers", "models"],
+            "properties": {"status": {"type": "string"}, "workers": count,
+                           "models": {"type": "array", "items": {"type": "string"}}}},
+    }
+
+
+def _event(chunk_schema: str) -> dict:
+    """One server-sent event of a stream: a chunk, or an error if the answer fails mid-way, then [DONE]."""
+    return {
+        "type": "object", "required": ["data"],
+        "properties": {
+            "event": {"type": "string", "enum": ["message"]},
+            "data": {"type": "string",
+                     "if": {"const": "[DONE]"},
+                     "else": {"contentMediaType": "application/json",
+                              "contentSchema": {"anyOf": [_ref("schemas", chunk_schema), _ref("schemas", "Error")]}}},
+        }}
+
+
+def _generate(summary: str, request_schema: str, answer_schema: str) -> dict:
+    return {
+        "summary": summary,
+        "security": [{"bearer": []}, {}],
+        "requestBody": {"required": True, "content": {"application/json": {
+            "schema": _ref("schemas", request_schema)}}},
+        "responses": {
+            "200": {"description": "the answer; with `stream: true`, server-sent events, the last `data: [DONE]`",
+                    "content": {"application/json": {"schema": _ref("schemas", answer_schema)},
+                                "text/event-stream": {"itemSchema": _event(answer_schema + "Chunk")}}},
+            "400": _ref("responses", "BadRequest"), "401": _ref("responses", "Unauthorized"),
+            "404": _ref("responses", "NotFound"), "413": _ref("responses", "PayloadTooLarge"),
+            "429": _ref("responses", "TooManyRequests"), "500": _ref("responses", "ServerError"),
+            "503": _ref("responses", "Unavailable"), "504": _ref("responses", "Timeout"),
+        },
+    }
+
+
+def _read(summary: str, answer: dict, *extra: str, secured: bool = False) -> dict:
+    operation = {"summary": summary,
+                 "responses": {"200": {"description": "OK", "content": {"application/json": {"schema": answer}}},
+                               "500": _ref("responses", "ServerError")}}
+    for status in extra:
+        name = {"401": "Unauthorized", "429": "TooManyRequests", "503": "Unavailable"}[status]
+        operation["responses"][status] = _ref("responses", name)
+    if secured:
+        operation["security"] = [{"bearer": []}, {}]
+    return {"get": operation}
+
+
+def document() -> dict:
+    return {
+        "openapi": "3.2.0",
+        "info": {
+            "title": "Storyteller",
+            "version": "1",
+            "description": "OpenAI-shaped completions, written by a pool of model workers behind Redis. "
+                           "Every error, on any path or method (404, 405 too), is "
+                           "`{\"error\": {\"message\", \"type\", \"param\", \"code\"}}`.",
+        },
+        "paths": {
+            "/v1/completions": {"post": _generate("Complete prompts", "CompletionRequest", "Completion")},
+            "/v1/chat/completions": {"post": _generate("Answer a conversation", "ChatCompletionRequest",
+                                                       "ChatCompletion")},
+            "/v1/models": _read("The models with a live worker", _ref("schemas", "ModelList"),
+                                "401", "429", "503", secured=True),
+            "/health": _read("Redis reachable and the live workers", _ref("schemas", "Health"), "503"),
+            "/openapi.json": _read("This description", {"type": "object"}),
+        },
+        "components": {
+            "schemas": {**_error_schemas(), **_request_schemas(), **_answer_schemas()},
+            "responses": _responses(),
+            "securitySchemes": {"bearer": {
+                "type": "http", "scheme": "bearer",
+                "description": "needed only when the API is started with --api-keys or --api-keys-file"}},
+        },
+    }
