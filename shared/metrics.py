@@ -1,0 +1,36 @@
+"""Every Prometheus metric name, in one place: the API, the workers, the dashboard and the alert
+rules all spell them from here (the dashboard JSON and the rules are checked against this list).
+
+Conventions: the `storyteller_` prefix, base units (seconds, tokens, ratios 0-1), `_total` for
+counters, and label values from bounded sets (a model name, a route, a status code, an error code,
+a priority -10..10), never a request id or an API key.
+"""
+
+PREFIX = "storyteller"
+
+# Read from Redis at scrape time by the API (labels: model, and priority for the queue).
+QUEUE_DEPTH = f"{PREFIX}_queue_depth"                  # jobs waiting, per model and priority
+OLDEST_JOB_AGE = f"{PREFIX}_oldest_job_age_seconds"    # per model: how long the head job has waited
+WORKERS_ALIVE = f"{PREFIX}_workers_alive"              # per model: workers with a live heartbeat
+
+# The API (labels: route, status, model, code).
+REQUESTS = f"{PREFIX}_requests_total"                  # by route and HTTP status
+REQUEST_LATENCY = f"{PREFIX}_request_duration_seconds"  # by route: whole request, to its last byte
+TIME_TO_FIRST_TOKEN = f"{PREFIX}_time_to_first_token_seconds"  # by model: request in -> first text
+PROMPT_TOKENS = f"{PREFIX}_prompt_tokens_total"        # by model, as answered in `usage`
+COMPLETION_TOKENS = f"{PREFIX}_completion_tokens_total"  # by model, as answered in `usage`
+ERRORS = f"{PREFIX}_errors_total"                      # by error code (queue_full, timeout, ...)
+
+# The workers (label: model).
+QUEUE_WAIT = f"{PREFIX}_queue_wait_seconds"            # a job's time in the queue before a worker took it
+TIME_PER_OUTPUT_TOKEN = f"{PREFIX}_time_per_output_token_seconds"  # a job's decode time / its tokens
+BATCH_SIZE = f"{PREFIX}_batch_size"                    # sequences computed per engine step
+RUNNING = f"{PREFIX}_running_sequences"
+WAITING = f"{PREFIX}_waiting_sequences"                # taken by the worker, not yet scheduled
+KV_CACHE_USAGE = f"{PREFIX}_kv_cache_usage_ratio"      # blocks in use / blocks in the pool
+PREEMPTIONS = f"{PREFIX}_preemptions_total"
+PREFIX_CACHE_HITS = f"{PREFIX}_prefix_cache_hits_total"  # prompt blocks found in the cache
+GENERATED_TOKENS = f"{PREFIX}_generated_tokens_total"  # tokens the engine wrote (tokens/s)
+REQUEUED_JOBS = f"{PREFIX}_requeued_jobs_total"        # jobs of dead workers put back
+CRASHED_JOBS = f"{PREFIX}_crashed_jobs_total"          # jobs failed after --max-attempts
+WORKER_STARTS = f"{PREFIX}_worker_starts_total"        # a worker process started (restarts show here)
