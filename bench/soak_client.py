@@ -1,0 +1,174 @@
+"""One soak request and what became of it.
+
+Every request ends in exactly one of:
+  answered  the whole answer came (a streamed one ended with [DONE])
+  hung_up   a streaming client that closed the stream on purpose after a few chunks
+  failed    the server said why: an HTTP error status, or an error event in the stream
+  lost      neither: silence past the client's timeout, a connection dropped without an error, a
+            stream that ended without [DONE], an empty answer (or, once compared with its
+            reference, a truncated one)
+The text that came is kept, to be compared with the request's reference answer (bench/soak.py).
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import urllib.error
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional
+
+from bench.client import _post, chunk_text, sse_events
+
+ANSWERED, HUNG_UP, FAILED, LOST = "answered", "hung_up", "failed", "lost"
+SEED = 0  # with temperature 0 the seed changes nothing; sent so a sampling change would still repeat
+
+
+@dataclass
+class Attempt:
+    player: int
+    item: int  # which of the soak's distinct requests
+    stream: bool
+    hang_up_after: int  # streamed text chunks after which the client closes the stream (0: never)
+    sent: float  # seconds since the players started
+    done: float = 0.0
+    outcome: str = ""
+    detail: str = ""  # the error code or status, or how it was lost
+    text: str = ""
+    completion_tokens: Optional[int] = None
+    ttft: Optional[float] = None
+    verdict: str = ""  # after comparison with the reference: "" (as the reference), or what differs
+
+    @property
+    def latency(self) -> float:
+        return self.done - self.sent
+
+    def to_dict(self) -> dict:
+        row = asdict(self)
+        row["text_chars"] = len(row.pop("text"))  # the texts are compared, not kept in the results
+        for name in ("sent", "done", "ttft"):
+            row[name] = None if row[name] is None else round(row[name], 3)
+        return row
+
+
+def body(model: str, prompt: str, max_tokens: int, stream: bool) -> dict:
+    """Greedy, and every token written (ignore_eos): the same text whatever the batch, and a
+    truncated answer is seen by its length."""
+    request = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+               "seed": SEED, "ignore_eos": True}
+    if stream:
+        request.update(stream=True, stream_options={"include_usage": True})
+    return request
+
+
+def error_label(payload: dict) -> str:
+    error = payload.get("error")
+    if isinstance(error, dict):
+        return str(error.get("code") or error.get("type") or "error")
+    return "error"
+
+
+def send(url: str, model: str, prompt: str, max_tokens: int, attempt: Attempt, timeout: float,
+         clock: Callable[[], float]) -> Attempt:
+    """Send the request, read what comes, and fill in `attempt`'s outcome."""
+    try:
+        with _post(url, body(model, prompt, max_tokens, attempt.stream), timeout) as response:
+            if attempt.stream:
+                _read_stream(response, attempt, timeout, clock)
+            else:
+                _read_whole(response, attempt, clock)
+    except urllib.error.HTTPError as exc:
+        try:
+            label = f"HTTP {exc.code} {error_label(json.loads(exc.read()))}"
+        except (ValueError, OSError, http.client.HTTPException):
+            label = f"HTTP {exc.code} (no error body)"
+        _end(attempt, clock, FAILED, label)
+    except urllib.error.URLError as exc:
+        reason = exc.reason
+        how = "silent past the client timeout" if isinstance(reason, (TimeoutError, socket.timeout)) \
+            else f"connection failed ({type(reason).__name__})"
+        _end(attempt, clock, LOST, how)
+    except (TimeoutError, socket.timeout):
+        _end(attempt, clock, LOST, "silent past the client timeout")
+    except (http.client.HTTPException, ConnectionError) as exc:
+        _end(attempt, clock, LOST, f"connection dropped ({type(exc).__name__})")
+    except OSError as exc:
+        _end(attempt, clock, LOST, f"connection error ({type(exc).__name__})")
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        _end(attempt, clock, LOST, f"unreadable answer ({type(exc).__name__})")
+    else:
+        if not attempt.outcome:
+            _end(attempt, clock, ANSWERED, "")
+    return attempt
+
+
+def _end(attempt: Attempt, clock, outcome: str, detail: str) -> None:
+    attempt.done, attempt.outcome, attempt.detail = clock(), outcome, detail
+
+
+def _read_whole(response, attempt: Attempt, clock) -> None:
+    reply = json.loads(response.read())
+    attempt.text = reply["choices"][0]["text"]
+    attempt.completion_tokens = int(reply["usage"]["completion_tokens"])
+    if not attempt.text:
+        _end(attempt, clock, LOST, "empty answer")
+
+
+def _read_stream(response, attempt: Attempt, timeout: float, clock) -> None:
+    # The socket's timeout bounds each read; this bounds the whole stream, which a server could
+    # otherwise keep open forever with a trickle.
+    give_up, chunks, finished = attempt.sent + timeout, 0, False
+    for data in sse_events(response):
+        if clock() > give_up:
+            _end(attempt, clock, LOST, "no end within the client timeout")
+            return
+        if data == "[DONE]":
+            finished = True
+            break
+        chunk = json.loads(data)
+        if chunk.get("error"):
+            _end(attempt, clock, FAILED, f"stream error {error_label(chunk)}")
+            return
+        piece = chunk_text(chunk)
+        if piece:
+            if attempt.ttft is None:
+                attempt.ttft = clock() - attempt.sent
+            attempt.text += piece
+            chunks += 1
+        if chunk.get("usage"):
+            attempt.completion_tokens = int(chunk["usage"]["completion_tokens"])
+        if attempt.hang_up_after and chunks >= attempt.hang_up_after:
+            _end(attempt, clock, HUNG_UP, f"closed after {chunks} chunk(s)")
+            return  # leaving the `with` closes the connection: the server cancels the request
+    if not finished:
+        _end(attempt, clock, LOST, "stream ended without [DONE]")
+    elif not attempt.text:
+        _end(attempt, clock, LOST, "empty answer")
+
+
+def compare(attempt: Attempt, reference: str) -> None:
+    """Set `verdict` (and turn a truncated answer into a lost one): an answer must be its
+    reference exactly; a client that hung up must have received a prefix of it."""
+    got = attempt.text
+    if attempt.outcome == HUNG_UP:
+        if not reference.startswith(got):
+            attempt.verdict = "repeated" if _repeats(got, reference) else "differs"
+        return
+    if attempt.outcome != ANSWERED or got == reference:
+        return
+    if reference.startswith(got):
+        attempt.outcome, attempt.detail, attempt.verdict = LOST, "truncated answer", "truncated"
+    else:
+        attempt.verdict = "repeated" if _repeats(got, reference) else "differs"
+
+
+def _repeats(got: str, reference: str) -> bool:
+    """Text written twice: longer than the reference, or a piece of the reference's start seen
+    again further on (a worker that died after streaming part of it, and a second that wrote
+    it all again)."""
+    if len(got) > len(reference):
+        return True
+    common = 0
+    while common < min(len(got), len(reference)) and got[common] == reference[common]:
+        common += 1
+    return common > 0 and reference[:min(common, 8)] in got[common:]
