@@ -243,8 +243,10 @@ def main() -> None:
         for _ in range(args.workers):
             service.start([sys.executable, "-m", "worker"], env)
         models = wait_until_served(base_url, service.processes)
+        keyed = Settings.from_env(env)
+        key_header = " -H 'Authorization: Bearer YOUR_KEY'" if keyed.api_keys or keyed.api_keys_file else ""
         print(f"\nStoryteller is ready at {base_url} serving {', '.join(models)} with {args.workers} "
-              f"worker(s). Try:\n  curl {base_url}/completions -H 'Content-Type: application/json' "
+              f"worker(s). Try:\n  curl {base_url}/completions{key_header} -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{models[0]}\", \"prompt\": \"Once upon a time\", \"max_tokens\": 40}}'\n"
               f"Ctrl-C stops everything.", flush=True)
         status, reason = 1, describe_exit(service.wait_for_exit())
