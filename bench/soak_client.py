@@ -163,12 +163,14 @@ def compare(attempt: Attempt, reference: str) -> None:
 
 
 def _repeats(got: str, reference: str) -> bool:
-    """Text written twice: longer than the reference, or a piece of the reference's start seen
-    again further on (a worker that died after streaming part of it, and a second that wrote
-    it all again)."""
+    """Text written twice: longer than the reference, or, where it leaves the reference, starting
+    the reference over (a worker that died after streaming part of it, and a second that wrote it
+    all again). Only a label: any text unlike the reference counts as a mismatch."""
     if len(got) > len(reference):
         return True
     common = 0
     while common < min(len(got), len(reference)) and got[common] == reference[common]:
         common += 1
-    return common > 0 and reference[:min(common, 8)] in got[common:]
+    rest = got[common:]
+    probe = min(len(rest), common, 8)
+    return probe >= 3 and rest[:probe] == reference[:probe]
