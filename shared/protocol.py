@@ -39,6 +39,10 @@ class Job:
     params: SamplingParams
     deadline: float  # unix time after which nobody waits for the answer
     stream: bool = False  # publish text as it is written; otherwise only the final answer
+    # Unix time the API queued it (its own clock, as `deadline`): the queue's oldest-job age and the
+    # workers' queue wait. 0: not stamped (a job from an older API).
+    enqueued_at: float = 0.0
+    # Last, always: worker/job_queue.py's Lua reads it from the end of the JSON (and `id` from its start).
     priority: int = PRIORITY_DEFAULT
 
     def to_json(self) -> str:
