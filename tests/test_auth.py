@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import time
 import urllib.request
-from types import SimpleNamespace
 
 import openai
 import pytest
