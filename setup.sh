@@ -4,7 +4,8 @@ set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-want=$(cat requirements.txt requirements-model.txt | sha256sum | cut -d' ' -f1)
+# Every requirements file counts: requirements.txt includes requirements-api.txt and -worker.txt.
+want=$(cat requirements*.txt | sha256sum | cut -d' ' -f1)
 if [ "$(cat .venv/.installed 2>/dev/null)" != "$want" ]; then
     echo "installing requirements into .venv (once)..."
     .venv/bin/pip install --quiet --disable-pip-version-check -r requirements.txt
