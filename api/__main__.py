@@ -8,7 +8,7 @@ from shared.redis_client import masked
 from shared.settings import Settings
 
 FLAGS = ["host", "port", "redis_url", "threads", "api_workers", "request_timeout", "max_queue", "worker_grace",
-         "api_keys", "api_keys_file", "rate_limit"]
+         "api_keys", "api_keys_file", "rate_limit", "files_dir", "batch_file_limit"]
 
 
 class _Gunicorn(BaseApplication):

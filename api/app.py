@@ -17,7 +17,7 @@ import redis
 from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
-from api import auth
+from api import auth, batches
 from api.broker import Broker, Pending
 from api.errors import ApiError, bad_request, unavailable
 from api.openai_format import SSE_DONE, Shape, sse
@@ -45,6 +45,7 @@ def create_app(settings: Optional[Settings] = None, client: Optional[redis.Redis
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
     auth.install(app, settings, client)
+    app.register_blueprint(batches.blueprint(settings, client))  # the batch API: api/batches.py
 
     @app.errorhandler(ApiError)
     def api_error(exc: ApiError):

@@ -76,3 +76,30 @@ def answer(job_id: str) -> str:
 
 def cancel(job_id: str) -> str:
     return f"{PREFIX}:cancel:{job_id}"
+
+
+# The batch API (api/batches.py): uploaded files, batch records, and the RQ queue batch jobs wait on.
+
+# RQ's own queue name (RQ keeps it under rq:queue:...): `python -m api.batch_worker` works it.
+BATCH_QUEUE = f"{PREFIX}-batches"
+
+
+def file(file_id: str) -> str:
+    """A hash: the file's object (id, bytes, filename, purpose, created_at) and what it holds."""
+    return f"{PREFIX}:file:{file_id}"
+
+
+def file_content(file_id: str) -> str:
+    """The file's bytes, when files are kept in Redis (no --files-dir)."""
+    return f"{PREFIX}:file-content:{file_id}"
+
+
+def batch(batch_id: str) -> str:
+    """A hash: the batch's fields, and its request counts (HINCRBY as requests finish)."""
+    return f"{PREFIX}:batch:{batch_id}"
+
+
+def batch_results(batch_id: str) -> str:
+    """A hash, line index -> output line, filled as requests finish: a batch job run again after its
+    RQ worker died skips what is there, and the output file is written from it in input order."""
+    return f"{PREFIX}:batch-results:{batch_id}"

@@ -37,6 +37,14 @@ class Settings:
                                  "'Authorization: Bearer <key>' (empty: no auth)", secret=True)
     api_keys_file: str = _setting("", "a file of API keys, one per line (with or instead of --api-keys)")
     rate_limit: int = _setting(0, "requests per minute per API key, across API processes (0: no limit)")
+    # The batch API
+    files_dir: str = _setting("", "directory for uploaded and batch output files, shared by the API and "
+                                  "the batch worker (empty: in Redis)")
+    batch_file_limit: int = _setting(100, "MiB an uploaded batch file may hold at most")
+    batch_concurrency: int = _setting(8, "requests of one batch in flight at once (batch worker); they go "
+                                         "at the lowest priority, so live players go first")
+    api_url: str = _setting("http://127.0.0.1:8000/v1", "the API the batch worker sends a batch's "
+                                                          "requests to")
 
     # The worker
     model: str = _setting("smollm2", "'smollm2' (the packaged SmolLM2-135M-Instruct) or a local "

@@ -1,0 +1,37 @@
+"""python -m api.batch_worker: RQ's worker on the batch queue; each job runs one batch (api/batch_job.py).
+
+Any number may run, on any machine that reaches Redis and the API: each batch is one RQ job, taken
+by one of them. A worker stopped with SIGTERM finishes its batch first (RQ's warm shutdown); one
+killed mid-batch leaves its job to RQ, which runs it again (up to api.batches.RQ_RETRIES times)
+once its heartbeat has expired, and the rerun sends only the requests that had no answer yet.
+"""
+from __future__ import annotations
+
+import logging
+
+from rq import Queue, Worker
+
+from api import batch_job
+from shared import keys
+from shared.redis_client import connect, masked
+from shared.settings import Settings
+
+FLAGS = ["redis_url", "api_url", "batch_concurrency", "files_dir", "request_timeout", "api_keys", "api_keys_file"]
+# How often RQ looks for jobs whose worker died (its default is 10 minutes).
+MAINTENANCE_INTERVAL_S = 60
+
+
+def main(argv=None) -> None:
+    settings = Settings.parse(argv, FLAGS, "Storyteller batch worker: runs batches (RQ jobs) through the API")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    batch_job.configure(settings)  # before RQ forks a process per job, which inherits it
+    connection = connect(settings.redis_url)
+    worker = Worker([Queue(keys.BATCH_QUEUE, connection=connection)], connection=connection,
+                    maintenance_interval=MAINTENANCE_INTERVAL_S)
+    print(f"Storyteller batch worker on RQ queue {keys.BATCH_QUEUE} (Redis {masked(settings.redis_url)}), "
+          f"sending to {settings.api_url}, {settings.batch_concurrency} requests at once", flush=True)
+    worker.work(logging_level="INFO")
+
+
+if __name__ == "__main__":
+    main()
