@@ -7,6 +7,7 @@ cap a request gets 429 with a Retry-After estimated from how fast workers have b
 from __future__ import annotations
 
 import math
+import time
 
 import redis
 
@@ -61,6 +62,9 @@ class Admission:
     def push(self, jobs: list[Job], cap: int) -> None:
         """Queue the jobs, all or none: 429 if they would not fit under the cap."""
         model = jobs[0].model
+        now = time.time()  # the API's clock, as the deadline's: workers compare both with theirs
+        for job in jobs:
+            job.enqueued_at = now
         self._run(model, len(jobs), cap, [j.to_json() for j in jobs],
                   push_to=keys.queue(model, jobs[0].priority))
 

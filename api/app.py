@@ -18,9 +18,10 @@ from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from api import auth, batches
+from api import metrics
 from api.broker import Broker, Pending
 from api.errors import ApiError, bad_request, unavailable
-from api.openai_format import SSE_DONE, Shape, sse
+from api.openai_format import SSE_DONE, Shape, sse, usage
 from api.openapi import document
 from api.tokenizers import TokenizerCache
 from api.validation import CompletionRequest, check_max_tokens, parse_chat, parse_completion
@@ -44,6 +45,7 @@ def create_app(settings: Optional[Settings] = None, client: Optional[redis.Redis
     tokenizers = TokenizerCache(client)
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
+    metrics.install(app, client)  # first: a request refused by auth is counted too
     auth.install(app, settings, client)
     app.register_blueprint(batches.blueprint(settings, client))  # the batch API: api/batches.py
 
@@ -115,11 +117,14 @@ def create_app(settings: Optional[Settings] = None, client: Optional[redis.Redis
         prompt_tokens = sum(len(p) for p in prompts)
         shape = Shape(request_id, req.model, chat)
         pending = broker.submit(jobs, cap)
+        counted = metrics.Answer(req.model)
         if req.stream:
-            return Response(_stream(pending, shape, req.include_usage, prompt_tokens),
+            return Response(_stream(pending, shape, req.include_usage, prompt_tokens, counted),
                             mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
-            return jsonify(shape.whole(_collect(pending), prompt_tokens))
+            body = shape.whole(_collect(pending), prompt_tokens)
+            counted.answered(body["usage"])
+            return jsonify(body)
         finally:
             pending.close()
 
@@ -208,7 +213,8 @@ def _unsent(sent: str, offset: int, text: str) -> Optional[str]:
     return text[len(seen):]
 
 
-def _stream(pending: Pending, shape: Shape, include_usage: bool, prompt_tokens: int):
+def _stream(pending: Pending, shape: Shape, include_usage: bool, prompt_tokens: int,
+            counted: metrics.Answer):
     """Server-sent events: a chunk per piece of text as the worker writes it, then [DONE]."""
     sent = [""] * len(pending.jobs)
     finals: list[Optional[Final]] = [None] * len(pending.jobs)
@@ -218,25 +224,29 @@ def _stream(pending: Pending, shape: Shape, include_usage: bool, prompt_tokens: 
                 yield sse(shape.chunk(index, first=True))
         for index, result in pending.results():
             if isinstance(result, Failure):
-                yield sse(_failure_error(result).body())
+                yield sse(counted.failed(_failure_error(result)).body())
                 return
             new = _unsent(sent[index], result.offset if isinstance(result, TextDelta) else 0, result.text)
             if new is None:
-                yield sse(ApiError(500, "the worker writing this answer died, and the worker that "
-                                        "wrote it again wrote different text", code="retry_diverged").body())
+                yield sse(counted.failed(ApiError(500, "the worker writing this answer died, and the worker "
+                                                  "that wrote it again wrote different text",
+                                                  code="retry_diverged")).body())
                 return
             sent[index] += new
+            if new:
+                counted.text_sent()
             if isinstance(result, Final):
                 finals[index] = result
                 yield sse(shape.chunk(index, new or None, finish_reason=result.finish_reason))
             elif new:
                 yield sse(shape.chunk(index, new))
+        counted.answered(usage(prompt_tokens, finals))
         if include_usage:
             yield sse(shape.usage_chunk(finals, prompt_tokens))
         yield SSE_DONE
     except ApiError as exc:
-        yield sse(exc.body())
+        yield sse(counted.failed(exc).body())
     except redis.RedisError as exc:
-        yield sse(unavailable(f"the job queue (Redis) is not reachable: {exc}").body())
+        yield sse(counted.failed(unavailable(f"the job queue (Redis) is not reachable: {exc}")).body())
     finally:  # also when the client went away: its jobs are cancelled
         pending.close()

@@ -18,6 +18,14 @@ PREFIX = "storyteller"
 # Set of every worker id that has announced itself; a member without a live heartbeat is dead.
 WORKERS = f"{PREFIX}:workers"
 
+# Sorted set, model -> the unix time of its last worker heartbeat: the models /metrics reports on,
+# also while none of their workers is alive (so "no live worker" is a 0, not a missing series).
+MODELS = f"{PREFIX}:models"
+
+# Hash, model -> worker processes started for it (HINCRBY at start): restarts, which a
+# per-process counter would not show, since a restarted worker starts counting from scratch.
+WORKER_STARTS = f"{PREFIX}:worker-starts"
+
 
 def queue(model: str, priority: int = PRIORITY_DEFAULT) -> str:
     return f"{queue_prefix(model)}{priority}"

@@ -12,6 +12,9 @@ PREFIX = "storyteller"
 QUEUE_DEPTH = f"{PREFIX}_queue_depth"                  # jobs waiting, per model and priority
 OLDEST_JOB_AGE = f"{PREFIX}_oldest_job_age_seconds"    # per model: how long the head job has waited
 WORKERS_ALIVE = f"{PREFIX}_workers_alive"              # per model: workers with a live heartbeat
+# Per model: worker processes started (restarts show here). Counted in Redis, not by the worker:
+# a restarted worker's own counter would start from scratch, and a restart would not show.
+WORKER_STARTS = f"{PREFIX}_worker_starts_total"
 
 # The API (labels: route, status, model, code).
 REQUESTS = f"{PREFIX}_requests_total"                  # by route and HTTP status
@@ -33,4 +36,3 @@ PREFIX_CACHE_HITS = f"{PREFIX}_prefix_cache_hits_total"  # prompt blocks found i
 GENERATED_TOKENS = f"{PREFIX}_generated_tokens_total"  # tokens the engine wrote (tokens/s)
 REQUEUED_JOBS = f"{PREFIX}_requeued_jobs_total"        # jobs of dead workers put back
 CRASHED_JOBS = f"{PREFIX}_crashed_jobs_total"          # jobs failed after --max-attempts
-WORKER_STARTS = f"{PREFIX}_worker_starts_total"        # a worker process started (restarts show here)

@@ -81,6 +81,8 @@ class Settings:
                                                        "start faster (empty: nowhere)")
     max_attempts: int = _setting(2, "times a job is tried when its worker dies holding it; after "
                                     "that its client gets a 'worker_crashed' error")
+    metrics_port: int = _setting(0, "port of the worker's Prometheus /metrics, on every interface "
+                                    "(0: none)")
     crash_on_prompt: str = _setting("", "test only, off by default: a worker that takes a job whose "
                                         "prompt is these comma-separated token ids dies at once (SIGKILL)")
     heartbeat_s: float = _setting(1.0, "seconds between worker heartbeats")

@@ -13,7 +13,7 @@ import torch
 from shared.protocol import WorkerInfo
 from shared.redis_client import connect, explain, masked
 from shared.settings import Settings
-from worker import model_loader
+from worker import metrics, model_loader
 from worker.continuous import engine as continuous
 from worker.continuous.scheduler import POLICIES
 from worker.job_queue import JobQueue
@@ -22,7 +22,7 @@ from worker.worker import Worker
 
 FLAGS = ["redis_url", "model", "model_name", "engine", "batch", "wait_ms", "dtype", "device",
          "block_size", "kv_blocks", "kv_memory", "max_batch_tokens", "prefill_chunk", "scheduler", "prefix_caching",
-         "int4_rows", "int4_head", "torch_threads", "cache_dir", "max_attempts"]
+         "int4_rows", "int4_head", "torch_threads", "cache_dir", "max_attempts", "metrics_port"]
 STATIC_DEFAULT_BATCH = 64
 
 
@@ -80,6 +80,9 @@ def main(argv=None) -> None:
         pid=os.getpid(), host=socket.gethostname(), started=time.time())
     worker = Worker(queue, engine, info, settings)
     worker.install_signal_handlers()
+    if settings.metrics_port:
+        metrics.serve(settings.metrics_port, metrics.EngineCollector(info.model, engine, queue.requeued,
+                                                                     queue.crashed))
     logging.info("serving %s (%s, %s, context %d) on the %s engine, up to %d requests at once; "
                  "ready %.1f s after start", info.model, info.device, info.dtype, info.context_window,
                  engine.name, engine.capacity, time.time() - started)

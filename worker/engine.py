@@ -16,6 +16,7 @@ from worker.sequence import Sequence
 class Engine(Protocol):
     name: str
     capacity: int  # most sequences held at once
+    last_batch: int  # sequences computed by the last step (for the batch-size histogram)
 
     @property
     def busy(self) -> bool: ...
@@ -35,5 +36,7 @@ class Engine(Protocol):
         ...
 
     def stats(self) -> dict:
-        """What the worker's heartbeat reports of the engine (requests held, cache usage)."""
+        """What the worker's heartbeat and /metrics report of the engine: `running`, `waiting`,
+        `generated` (tokens, since start); a paged cache adds `kv_usage` (0-1), `preempted` and
+        `prefix_hit_blocks` (since start)."""
         ...

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import Counter
 from typing import Iterable
 
 import redis
@@ -103,6 +104,9 @@ class JobQueue:
         self._take_script = client.register_script(_TAKE)
         self._requeue_script = client.register_script(_REQUEUE)
         self._raw: dict[str, bytes] = {}  # job id -> its exact JSON, which LREM needs
+        # Dead workers' jobs this worker put back / failed after max_attempts, by model (/metrics).
+        self.requeued: Counter[str] = Counter()
+        self.crashed: Counter[str] = Counter()
         self._tokenizer_files: dict[str, bytes] = {}
 
     # Taking jobs
@@ -158,14 +162,15 @@ class JobQueue:
 
     # Results
 
-    def publish(self, seqs: Iterable[Sequence]) -> None:
+    def publish(self, seqs: Iterable[Sequence]) -> list[Sequence]:
         """New text of each sequence; for finished ones the final answer, and the job is done.
+        Returns the finished ones.
 
         All in one round trip. If Redis fails, nothing is marked as sent: calling again with the
         same sequences sends it all again.
         """
         pipe = self.redis.pipeline(transaction=False)
-        deltas, done = [], []
+        deltas, done, finished = [], [], []
         for seq in seqs:
             delta = seq.delta() if seq.job.stream else None
             if delta is not None:
@@ -175,9 +180,11 @@ class JobQueue:
                 if seq.finish_reason in FINISHED_NORMALLY:
                     self._send_last(pipe, seq.id, encode_result(seq.final()))
                 done.append(seq.id)
+                finished.append(seq)
         self._remove(pipe, done)
         for seq, delta in deltas:
             seq.sent(delta)
+        return finished
 
     def fail(self, job_ids: list[str], message: str, code: str = "worker_error") -> None:
         pipe = self.redis.pipeline(transaction=False)
@@ -212,6 +219,7 @@ class JobQueue:
     def heartbeat(self, info: WorkerInfo, ttl_s: float) -> None:
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(keys.WORKERS, self.worker_id, self.model)
+        pipe.zadd(keys.MODELS, {self.model: time.time()})
         pipe.set(keys.heartbeat(self.worker_id), info.to_json(), px=int(ttl_s * 1000))
         pipe.exists(keys.tokenizer(self.model))
         tokenizer_stored = pipe.execute()[-1]
@@ -224,6 +232,10 @@ class JobQueue:
         pipe.delete(keys.tokenizer(self.model))
         pipe.hset(keys.tokenizer(self.model), mapping=files)
         pipe.execute()
+
+    def count_start(self) -> None:
+        """One more worker process started for this model (restarts show in /metrics)."""
+        self.redis.hincrby(keys.WORKER_STARTS, self.model, 1)
 
     def leave(self) -> None:
         """A clean exit: nothing left in processing, so just disappear."""
@@ -247,6 +259,8 @@ class JobQueue:
                 args=[crashed, self.max_attempts, keys.attempts(""), keys.answer(""), keys.channel(""),
                       self.answer_ttl_s, ATTEMPTS_TTL_S, keys.queue_prefix(model)])
             self.redis.hdel(keys.WORKERS, worker_id)
+            self.requeued[model] += requeued
+            self.crashed[model] += failed
             if requeued or failed:
                 log.warning("worker %s is gone: %d job(s) back in the queue, %d failed after %d "
                             "attempt(s)", worker_id, requeued, failed, self.max_attempts)

@@ -1,6 +1,7 @@
 """One request inside an engine: its tokens, its text so far, and why it stopped."""
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 from shared.protocol import Final, Job, TextDelta
@@ -19,6 +20,7 @@ class Sequence:
         self.output_ids: list[int] = []
         self.generator = new_generator(job.params.seed)
         self.finish_reason: Optional[str] = None
+        self.first_token_at = 0.0  # time.monotonic() of its first token: its time per output token
         self._tokenizer = tokenizer
         self._eos_ids = frozenset() if job.params.ignore_eos else eos_ids
         # Text is needed token by token only to stream it or to watch for stop strings; otherwise
@@ -44,6 +46,8 @@ class Sequence:
         if token in self._eos_ids:
             self._finish("stop")
             return
+        if not self.output_ids:
+            self.first_token_at = time.monotonic()
         self.output_ids.append(token)
         if self._incremental:
             self._window.append(token)

@@ -54,6 +54,8 @@ class StaticEngine:
         self._cache: Optional[DynamicCache] = None
         self._mask: Optional[torch.Tensor] = None
         self._last: Optional[torch.Tensor] = None  # each row's newest token, [rows, 1]
+        self.last_batch = 0  # sequences computed by the last step
+        self.generated = 0  # tokens written, since start
 
     @property
     def busy(self) -> bool:
@@ -74,7 +76,7 @@ class StaticEngine:
         return self._waiting + self._running
 
     def stats(self) -> dict:
-        return {"running": len(self._running), "waiting": len(self._waiting)}
+        return {"running": len(self._running), "waiting": len(self._waiting), "generated": self.generated}
 
     def reset(self) -> list[Sequence]:
         dropped = self.sequences()
@@ -87,8 +89,11 @@ class StaticEngine:
         self._drop_finished()
         logits = self._decode() if self._running else self._prefill() if self._waiting else None
         if logits is None:
+            self.last_batch = 0
             return []
         seqs = self._running
+        self.last_batch = len(seqs)
+        self.generated += len(seqs)
         tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
         for seq, token in zip(seqs, tokens):
             if not seq.finished:  # cancelled while this step ran

@@ -17,6 +17,7 @@ from shared.protocol import WorkerInfo
 from shared.settings import Settings
 from worker.engine import Engine
 from worker.job_queue import JobQueue
+from worker.metrics import WorkerMetrics
 from worker.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class Worker:
         self.engine = engine
         self.info = info
         self.settings = settings
+        self.metrics = WorkerMetrics(info.model)
         self.stopping = threading.Event()  # set by SIGTERM: finish what we hold, take no more
         self._unpublished: list[Sequence] = []  # finished while Redis was unreachable
         self._left = threading.Event()  # the loop has ended: the heartbeat must stop too
@@ -58,6 +60,7 @@ class Worker:
         self.stopping.set()
 
     def run(self) -> None:
+        self.queue.count_start()
         self.queue.heartbeat(self.info, self.settings.heartbeat_ttl_s)
         self._heartbeat.start()
         try:
@@ -89,6 +92,7 @@ class Worker:
         block, fill = (0, 0) if self.engine.busy else (IDLE_BLOCK_S, self.settings.wait_ms / 1000)
         now = time.time()
         for job in self.queue.take(room, fill, block, alone_ok=not self.engine.busy):
+            self.metrics.taken(job)
             if job.deadline < now:  # nobody is waiting for it any more
                 self.queue.fail([job.id], "the request's deadline passed before it was decoded", "timeout")
                 continue
@@ -117,12 +121,13 @@ class Worker:
             log.exception("engine step failed")
             self.queue.fail([s.id for s in self.engine.reset()], f"the worker failed: {exc}")
             return
+        self.metrics.stepped(self.engine.last_batch)
         self._publish(changed + [s for s in held if s.finished and s not in changed])
 
     def _publish(self, seqs: list[Sequence]) -> None:
         seqs, self._unpublished = self._unpublished + seqs, []
         try:
-            self.queue.publish(seqs)
+            self.metrics.finished(self.queue.publish(seqs))
         except redis.RedisError:
             # Finished sequences have left the engine: keep them until their answer is out.
             self._unpublished = [s for s in seqs if s.finished]

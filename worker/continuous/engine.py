@@ -47,6 +47,8 @@ class ContinuousEngine:
         kernel = kernels.paged_decode(os.path.join(settings.cache_dir, "kernels")) \
             if loaded.device.type == "cpu" and settings.cache_dir else None
         self.runner = ModelRunner(model, cache, size, loaded.device, kernel)
+        self.last_batch = 0  # sequences computed by the last step
+        self.generated = 0  # tokens written, since start
         log.info("KV cache: %d blocks of %d tokens (%.0f MiB); up to %d requests, %d tokens a step, "
                  "%s scheduler, prefix caching %s", blocks, size, cache.k.nbytes * 2 / MIB, self.capacity,
                  settings.max_batch_tokens, settings.scheduler, "on" if settings.prefix_caching else "off")
@@ -76,9 +78,11 @@ class ContinuousEngine:
 
     def step(self) -> list[Sequence]:
         plan = self.scheduler.schedule()
+        self.last_batch = len(plan)
         if not plan:
             return []
         produced = self.runner.run(plan)
+        self.generated += len(produced)
         for req, count in plan:
             req.computed += count
             self.blocks.computed(req.table, req.tokens, req.computed)
@@ -104,7 +108,8 @@ class ContinuousEngine:
         """For the heartbeat: how full the cache is and what the scheduler holds."""
         return {"kv_blocks": self.blocks.num_blocks, "kv_usage": round(self.blocks.usage(), 4),
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-                "prefix_hit_tokens": self.blocks.hits, "preempted": self.scheduler.preempted}
+                "prefix_hit_tokens": self.blocks.hits, "prefix_hit_blocks": self.blocks.hits // self.blocks.block_size,
+                "preempted": self.scheduler.preempted, "generated": self.generated}
 
 
 def build(loaded: LoadedModel, settings: Settings, tensors: dict, config):

@@ -1,0 +1,109 @@
+"""A worker's Prometheus metrics, served on --metrics-port.
+
+What happens once per job (its queue wait, its time per output token) or once per step (the batch
+size) is observed as it happens, into histograms. Everything else (sequences running and waiting,
+KV-cache usage, preemptions, prefix-cache hits, tokens generated, jobs put back) the engine and the
+job queue count anyway, as plain numbers: they are read when /metrics is scraped, which costs the
+decode loop nothing.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter as Tally
+
+from prometheus_client import REGISTRY, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from shared import metrics as names
+from shared.protocol import Job
+from worker.engine import Engine
+from worker.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+FINISHED_NORMALLY = ("stop", "length")
+WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+QUEUE_WAIT = Histogram(names.QUEUE_WAIT, "From a job's queueing by the API to its taking by a worker "
+                       "(the two machines' clocks)", ["model"], buckets=WAIT_BUCKETS)
+TIME_PER_OUTPUT_TOKEN = Histogram(names.TIME_PER_OUTPUT_TOKEN, "A finished job's time from its first "
+                                  "token to its last, per token after the first", ["model"],
+                                  buckets=TOKEN_BUCKETS)
+BATCH_SIZE = Histogram(names.BATCH_SIZE, "Sequences computed together in one engine step", ["model"],
+                       buckets=BATCH_BUCKETS)
+
+
+class WorkerMetrics:
+    """What the worker loop reports as it goes: a job taken, a step run, jobs finished."""
+
+    def __init__(self, model: str):
+        # Bound once: a step costs one histogram observation, not a label lookup too.
+        self._wait = QUEUE_WAIT.labels(model)
+        self._per_token = TIME_PER_OUTPUT_TOKEN.labels(model)
+        self._batch = BATCH_SIZE.labels(model)
+
+    def taken(self, job: Job) -> None:
+        if job.enqueued_at > 0:  # an older API leaves it 0; clocks a little apart give < 0
+            self._wait.observe(max(0.0, time.time() - job.enqueued_at))
+
+    def stepped(self, batch: int) -> None:
+        if batch:
+            self._batch.observe(batch)
+
+    def finished(self, seqs: list[Sequence]) -> None:
+        now = time.monotonic()
+        for seq in seqs:
+            tokens = len(seq.output_ids)
+            if seq.finish_reason in FINISHED_NORMALLY and tokens > 1:
+                self._per_token.observe((now - seq.first_token_at) / (tokens - 1))
+
+
+class EngineCollector:
+    """The engine's and the job queue's running counts, read at scrape time (`Engine.stats()`: a
+    key an engine lacks, the static engine's KV cache, is left out)."""
+
+    GAUGES = [("running", names.RUNNING, "Sequences in the running batch"),
+              ("waiting", names.WAITING, "Sequences taken by the worker, not yet running"),
+              ("kv_usage", names.KV_CACHE_USAGE, "KV-cache blocks in use / blocks in the pool")]
+    COUNTERS = [("preempted", names.PREEMPTIONS, "Running sequences set back for lack of KV cache"),
+                ("prefix_hit_blocks", names.PREFIX_CACHE_HITS, "Prompt KV blocks found in the cache"),
+                ("generated", names.GENERATED_TOKENS, "Tokens the engine wrote")]
+
+    def __init__(self, model: str, engine: Engine, requeued: Tally, crashed: Tally):
+        self.model, self.engine = model, engine
+        self.requeued, self.crashed = requeued, crashed  # by model: JobQueue's tallies
+
+    def collect(self):
+        stats = self.engine.stats()
+        for key, name, help_text in self.GAUGES:
+            if key in stats:
+                yield _one(GaugeMetricFamily(name, help_text, labels=["model"]), self.model, stats[key])
+        for key, name, help_text in self.COUNTERS:
+            if key in stats:
+                yield _one(CounterMetricFamily(name, help_text, labels=["model"]), self.model, stats[key])
+        # Put back or failed by this worker, for whichever worker died: labelled by the jobs' model.
+        # Its own model always, at 0 too, so that a rate over it is 0 rather than nothing.
+        for tally, name, help_text in [(self.requeued, names.REQUEUED_JOBS, "Jobs of dead workers put back"),
+                                       (self.crashed, names.CRASHED_JOBS, "Jobs failed after --max-attempts")]:
+            family = CounterMetricFamily(name, help_text, labels=["model"])
+            for model in sorted({self.model, *tally}):
+                family.add_metric([model], tally[model])
+            yield family
+
+
+def _one(family, model: str, value):
+    family.add_metric([model], value)
+    return family
+
+
+def serve(port: int, collector: EngineCollector) -> None:
+    """Serve /metrics on `port`, every interface (a container's port is published from there)."""
+    REGISTRY.register(collector)
+    try:
+        start_http_server(port)
+    except OSError as exc:
+        raise SystemExit(f"worker: --metrics-port {port}: {exc.strerror}")
+    log.info("metrics on :%d/metrics", port)
