@@ -15,9 +15,11 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
+from dataclasses import fields
 from urllib.parse import unquote, urlparse
 
 import redis
@@ -202,17 +204,47 @@ class Service:
                 process.wait()
 
 
+# Settings a user may pass to serve.py: all of them but the test-only hook.
+SERVE_FLAGS = [f.name for f in fields(Settings) if f.name != "crash_on_prompt"]
+PROMETHEUS_PORT = 9090
+
+
+def start_prometheus(service: "Service", base_url: str, worker_ports: list[int]) -> str:
+    """Prometheus scraping the API and each worker every 5 s, its data in a temporary folder."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        return (f"--metrics: Prometheus is not installed (apt-get install prometheus); the metrics are "
+                f"still at {base_url.removesuffix('/v1')}/metrics and on each worker's METRICS_PORT")
+    folder = tempfile.mkdtemp(prefix="storyteller-prometheus-")
+    api = urlparse(base_url).netloc
+    workers = ", ".join(f"'127.0.0.1:{p}'" for p in worker_ports)
+    with open(os.path.join(folder, "prometheus.yml"), "w") as f:
+        f.write(f"global: {{scrape_interval: 5s}}\nscrape_configs:\n"
+                f"  - {{job_name: api, static_configs: [{{targets: ['{api}']}}]}}\n"
+                f"  - {{job_name: worker, static_configs: [{{targets: [{workers}]}}]}}\n")
+    service.start([binary, f"--config.file={folder}/prometheus.yml", f"--storage.tsdb.path={folder}/data",
+                   f"--web.listen-address=127.0.0.1:{PROMETHEUS_PORT}"], dict(os.environ))
+    return f"Prometheus at http://127.0.0.1:{PROMETHEUS_PORT} (try the query storyteller_queue_depth)"
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Run Storyteller locally: Redis, API and workers.")
+    parser = argparse.ArgumentParser(
+        description="Run Storyteller locally: Redis, the API and workers. Every setting below is "
+                    "passed on to the API and the workers (flags win over the environment).")
     parser.add_argument("--workers", type=int, default=int(os.environ.get("WORKERS", 1)),
                         help="model workers to start (env WORKERS, default 1)")
-    settings = Settings.from_env()  # passed on to the children through their environment
-    for flag, env in [("--port", "PORT"), ("--model", "MODEL"), ("--batch", "BATCH"), ("--engine", "ENGINE"),
-                      ("--redis-url", "REDIS_URL"), ("--host", "HOST")]:
-        parser.add_argument(flag, dest=env, help=f"env {env}")
+    parser.add_argument("--metrics", action="store_true",
+                        help="also start Prometheus (when installed) scraping the API and the workers, "
+                             f"on 127.0.0.1:{PROMETHEUS_PORT}")
+    settings = Settings.from_env()
+    settings.add_flags(parser, SERVE_FLAGS)
     args = parser.parse_args()
+    # The children read their settings from the environment: the flags given become variables.
     env = dict(os.environ)
-    env.update({k: str(v) for k, v in vars(args).items() if v is not None and k.isupper()})
+    for name in SERVE_FLAGS:
+        value = getattr(args, name)
+        if value is not None:
+            env[Settings.env_name(name)] = str(int(value) if isinstance(value, bool) else value)
     redis_url = env.get("REDIS_URL", settings.redis_url)
     env["REDIS_URL"] = redis_url
     if args.workers > 1 and not env.get("TORCH_THREADS"):
@@ -240,9 +272,16 @@ def main() -> None:
         service.processes += started
         print(redis_note, flush=True)
         service.start([sys.executable, "-m", "api"], env)
-        for _ in range(args.workers):
-            service.start([sys.executable, "-m", "worker"], env)
+        worker_ports, first_port = [], Settings.from_env(env).metrics_port
+        for i in range(args.workers):
+            worker_env = dict(env)
+            if args.metrics or first_port:  # one port each: --metrics-port is the first one's
+                worker_ports.append(first_port + i if first_port else free_port())
+                worker_env["METRICS_PORT"] = str(worker_ports[-1])
+            service.start([sys.executable, "-m", "worker"], worker_env)
         models = wait_until_served(base_url, service.processes)
+        if args.metrics:
+            print(start_prometheus(service, base_url, worker_ports), flush=True)
         keyed = Settings.from_env(env)
         key_header = " -H 'Authorization: Bearer YOUR_KEY'" if keyed.api_keys or keyed.api_keys_file else ""
         print(f"\nStoryteller is ready at {base_url} serving {', '.join(models)} with {args.workers} "

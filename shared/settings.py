@@ -112,15 +112,24 @@ class Settings:
         """Settings from the environment, overridden by the given flags (named by field)."""
         base = cls.from_env()
         parser = argparse.ArgumentParser(description=description)
-        by_name = {f.name: f for f in fields(cls)}
+        base.add_flags(parser, flags)
+        given = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None and k in flags}
+        return replace(base, **given)
+
+    def add_flags(self, parser: argparse.ArgumentParser, flags: Sequence[str]) -> None:
+        """A flag per named field, its help showing the env variable and this value as default."""
+        by_name = {f.name: f for f in fields(self)}
         for name in flags:
             f = by_name[name]
             parser.add_argument(_flag_name(f), dest=name, default=None,
                                 type=lambda raw, kind=type(f.default): _parse_value(kind, raw),
                                 help=f"{f.metadata['help']} (env {_env_name(f)}, "
-                                     f"default {_shown(f, getattr(base, name))})")
-        given = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
-        return replace(base, **given)
+                                     f"default {_shown(f, getattr(self, name))})")
+
+    @staticmethod
+    def env_name(name: str) -> str:
+        """The environment variable of the field `name`."""
+        return _env_name({f.name: f for f in fields(Settings)}[name])
 
 
 def _shown(f, value) -> str:

@@ -148,9 +148,11 @@ def test_worker_failing_at_start_up_stops_the_api_and_its_redis(tmp_path, tag):
 def test_stopped_with_sigterm_leaves_nothing_running_or_registered(tmp_path, tag, real_redis, redis_server,
                                                                    tiny_model_dirs):
     port = free_port()
-    serve = Serve(tmp_path, tag, ["--workers", "2"], REDIS_URL=redis_server.url, PORT=str(port),
-                  MODEL=tiny_model_dirs["llama"])
+    # Settings given as serve.py's flags reach the API and the workers.
+    serve = Serve(tmp_path, tag, ["--workers", "2", "--model-name", "lore-teller", "--max-attempts", "3"],
+                  REDIS_URL=redis_server.url, PORT=str(port), MODEL=tiny_model_dirs["llama"])
     serve.wait_until_ready()
+    assert "serving lore-teller with 2 worker(s)" in serve.output()
     give_up = time.monotonic() + READY_TIMEOUT_S
     while len(real_redis.hkeys(keys.WORKERS)) < 2 and time.monotonic() < give_up:  # the second one too
         time.sleep(0.2)
