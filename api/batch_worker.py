@@ -24,6 +24,8 @@ MAINTENANCE_INTERVAL_S = 60
 def main(argv=None) -> None:
     settings = Settings.parse(argv, FLAGS, "Storyteller batch worker: runs batches (RQ jobs) through the API")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    for chatty in ("httpx", "httpx2"):  # a line per request sent: the batch job logs what matters
+        logging.getLogger(chatty).setLevel(logging.WARNING)
     batch_job.configure(settings)  # before RQ forks a process per job, which inherits it
     connection = connect(settings.redis_url)
     worker = Worker([Queue(keys.BATCH_QUEUE, connection=connection)], connection=connection,

@@ -1,0 +1,148 @@
+"""A nanoMMO game server's side of Storyteller: several players at once, each asking the world's
+storyteller what happens next and reading the story as it is written.
+
+    ./serve.sh                                   # in another terminal
+    python examples/nanommo_client.py --url http://127.0.0.1:8000/v1 --players 8
+
+Only the official `openai` client. What a game server needs from it, shown here:
+- timeouts: a storyteller that went quiet must not hold a player forever;
+- retries with backoff on 429 (the queue is full) and 503 (no worker, e.g. during a restart),
+  waiting what the server's Retry-After says, and only before any text reached the player (a
+  story cut halfway is not started again, which would tell its beginning twice);
+- streaming: the player reads each piece as soon as it is written;
+- priority: a boss fight's narration (--priority -5) goes ahead of background lore.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import openai
+
+WORLD = "You narrate a small fantasy world. Answer in two or three vivid sentences."
+PLAYERS = ["Aria", "Borin", "Cael", "Dara", "Eryk", "Fenna", "Gorm", "Hild", "Ivo", "Juna", "Kestrel", "Lune"]
+ACTIONS = ["I push open the gate of the ruined keep.", "I offer the dragon a potion.",
+           "I read the spell from the old book aloud.", "I follow the skeleton into the forest.",
+           "I ask the innkeeper about the missing gold.", "I climb the tower at midnight."]
+RETRYABLE = (429, 503)
+
+
+class Narrator:
+    """Prints the players' stories as they arrive; a new line and the name when the speaker changes."""
+
+    def __init__(self, out=sys.stdout):
+        self.out, self.lock, self.last = out, threading.Lock(), None
+
+    def say(self, player: str, text: str) -> None:
+        with self.lock:
+            if player != self.last:
+                self.out.write(f"\n[{player}] ")
+                self.last = player
+            self.out.write(text)
+            self.out.flush()
+
+
+@dataclass
+class Played:
+    player: str
+    first_text_s: list[float] = field(default_factory=list)  # per turn: request sent -> first text
+    story_s: list[float] = field(default_factory=list)
+    retries: int = 0
+    failure: str = ""
+
+
+def retry_after(exc: Exception):
+    """Seconds the server asked us to wait (Retry-After), or None."""
+    response = getattr(exc, "response", None)
+    value = response.headers.get("retry-after") if response is not None else None
+    try:
+        return float(value) if value else None
+    except ValueError:
+        return None
+
+
+def tell(client: openai.OpenAI, args, player: str, messages: list, narrator: Narrator, played: Played) -> str:
+    """One turn: stream the storyteller's answer to `player`, retrying while nothing was shown yet."""
+    for attempt in range(args.retries + 1):
+        began, shown = time.monotonic(), []
+        try:
+            stream = client.chat.completions.create(
+                model=args.model, messages=messages, max_tokens=args.max_tokens, stream=True,
+                extra_body={"priority": args.priority})
+            for chunk in stream:
+                text = chunk.choices[0].delta.content if chunk.choices else None
+                if text:
+                    if not shown:
+                        played.first_text_s.append(time.monotonic() - began)
+                    shown.append(text)
+                    narrator.say(player, text)
+            played.story_s.append(time.monotonic() - began)
+            return "".join(shown)
+        except (openai.APIStatusError, openai.APIConnectionError) as exc:
+            status = getattr(exc, "status_code", None)
+            retryable = status in RETRYABLE or isinstance(exc, openai.APIConnectionError)
+            if shown or not retryable or attempt == args.retries:
+                raise
+            wait = retry_after(exc)
+            if wait is None:  # exponential backoff with jitter, so retrying players spread out
+                wait = min(30.0, 0.5 * 2 ** attempt) * random.uniform(0.5, 1.0)
+            played.retries += 1
+            narrator.say(player, f"(the storyteller is busy: {status or 'no answer'}; again in {wait:.1f} s) ")
+            time.sleep(wait)
+    raise AssertionError("unreachable")
+
+
+def play(client: openai.OpenAI, args, player: str, narrator: Narrator) -> Played:
+    played = Played(player)
+    messages = [{"role": "system", "content": WORLD}]
+    actions = random.Random(player).sample(ACTIONS, len(ACTIONS))
+    try:
+        for turn in range(args.turns):
+            messages.append({"role": "user", "content": actions[turn % len(actions)]})
+            messages.append({"role": "assistant", "content": tell(client, args, player, messages, narrator, played)})
+    except (openai.APIStatusError, openai.APIConnectionError) as exc:
+        played.failure = f"{type(exc).__name__}: {exc}"
+        narrator.say(player, f"(the story broke off: {played.failure})")
+    return played
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", default="http://127.0.0.1:8000/v1", help="the API's base URL")
+    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "unused"),
+                        help="an API key, if the server wants one (env OPENAI_API_KEY)")
+    parser.add_argument("--model", help="the model (default: the first one served)")
+    parser.add_argument("--players", type=int, default=8, help="players asking at once")
+    parser.add_argument("--turns", type=int, default=2, help="stories per player, each following the last")
+    parser.add_argument("--max-tokens", type=int, default=80)
+    parser.add_argument("--priority", type=int, default=0, help="-10 (most urgent) to 10")
+    parser.add_argument("--timeout", type=float, default=60, help="seconds a request may take, at most")
+    parser.add_argument("--retries", type=int, default=5, help="tries again on 429/503/no answer")
+    args = parser.parse_args(argv)
+    client = openai.OpenAI(base_url=args.url, api_key=args.api_key, timeout=args.timeout, max_retries=0)
+    if not args.model:
+        args.model = client.models.list().data[0].id
+    narrator = Narrator()
+    names = [PLAYERS[i % len(PLAYERS)] + (str(i // len(PLAYERS) + 1) if i >= len(PLAYERS) else "")
+             for i in range(args.players)]
+    with ThreadPoolExecutor(args.players) as pool:
+        results = list(pool.map(lambda name: play(client, args, name, narrator), names))
+    firsts = [t for r in results for t in r.first_text_s]
+    failed = [r for r in results if r.failure]
+    print(f"\n\n{args.players} players, {sum(len(r.story_s) for r in results)} stories from {args.model}; "
+          f"first text after {statistics.median(firsts) if firsts else float('nan'):.2f} s (median), "
+          f"{sum(r.retries for r in results)} retries, {len(failed)} players failed")
+    for r in failed:
+        print(f"  {r.player}: {r.failure}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

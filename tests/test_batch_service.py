@@ -1,0 +1,124 @@
+"""The batch API on the real service: a private redis-server, the API, a tiny-model worker and RQ's
+batch worker (`python -m api.batch_worker`), files in a directory both share (--files-dir).
+
+The issue's bar: a batch of 50 requests completes with 50 answers in input order, while live
+players' requests, measured in the same test alone and then alongside the batch, keep a median
+latency within 2x. Then the examples/ run against the same stack.
+"""
+from __future__ import annotations
+
+import io
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import pytest
+
+from serve import free_port
+from tests.conftest import RedisServer
+from tests.processes import ROOT, logs, make_client, models_served, start, stop, wait_until
+
+pytestmark = pytest.mark.timeout(240)
+
+MODEL = "tiny-llama"
+BATCH_CONCURRENCY = 4   # of the worker's 8 slots: the batch never holds all of them
+LIVE_REQUESTS = 30
+
+
+@pytest.fixture(scope="module")
+def service(tiny_model_dirs, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("batch-service")
+    files_dir = str(log_dir / "files")
+    server = RedisServer(str(log_dir))
+    server.start()
+    port = free_port()
+    procs = [
+        start(["api", "--port", str(port), "--redis-url", server.url, "--files-dir", files_dir], log_dir, "api"),
+        start(["worker", "--model", tiny_model_dirs["llama"], "--dtype", "float32", "--wait", "5", "--batch", "8"],
+              log_dir, "worker", REDIS_URL=server.url),
+        start(["api.batch_worker", "--redis-url", server.url, "--api-url", f"http://127.0.0.1:{port}/v1",
+               "--batch-concurrency", str(BATCH_CONCURRENCY), "--files-dir", files_dir], log_dir, "batch-worker"),
+    ]
+    try:
+        wait_until(lambda: MODEL in models_served(port), procs, "the stack")
+        yield port, procs
+    finally:
+        for proc in procs:
+            stop(proc)
+        server.stop()
+
+
+def live_latencies(client, count: int) -> list[float]:
+    """A player's requests, one after another, all alike: seconds each took."""
+    took = []
+    for _ in range(count):
+        began = time.monotonic()
+        done = client.completions.create(model=MODEL, prompt="The player asks the innkeeper", max_tokens=16,
+                                         temperature=0, extra_body={"ignore_eos": True})
+        took.append(time.monotonic() - began)
+        assert done.usage.completion_tokens == 16
+    return took
+
+
+def test_a_batch_of_50_completes_in_order_while_live_players_keep_their_latency(service):
+    port, procs = service
+    client = make_client(port)
+    live_latencies(client, 3)  # warm: the API's tokenizer cache, the worker's first steps
+    alone = live_latencies(client, LIVE_REQUESTS)
+
+    ids = [f"lore-{i:02d}" for i in range(50)]
+    lines = [{"custom_id": cid, "method": "POST", "url": "/v1/completions",
+              "body": {"model": MODEL, "prompt": f"The legend of place {i}", "max_tokens": 100,
+                       "ignore_eos": True, "priority": -10}}  # asks to go first: a batch never does
+             for i, cid in enumerate(ids)]
+    content = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    upload = client.files.create(file=("lore.jsonl", io.BytesIO(content)), purpose="batch")
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
+    wait_until(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 1, procs,
+               "the batch's first answer", timeout=60)
+    before = client.batches.retrieve(batch.id).request_counts.completed
+    alongside = live_latencies(client, LIVE_REQUESTS)
+    after = client.batches.retrieve(batch.id)
+    # The live requests did run alongside the batch: it went on answering, and had more to do.
+    assert after.status == "in_progress" and before < after.request_counts.completed < 50, after
+
+    wait_until(lambda: client.batches.retrieve(batch.id).status == "completed", procs, "the batch", timeout=120)
+    done = client.batches.retrieve(batch.id)
+    assert done.request_counts.total == done.request_counts.completed == 50 and done.request_counts.failed == 0
+    assert done.error_file_id is None and done.completed_at >= done.in_progress_at >= done.created_at
+    answers = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
+    assert [a["custom_id"] for a in answers] == ids
+    assert all(a["response"]["status_code"] == 200 and a["error"] is None for a in answers)
+    assert all(a["response"]["body"]["usage"]["completion_tokens"] == 100 for a in answers)
+
+    ratio = statistics.median(alongside) / statistics.median(alone)
+    print(f"live median {statistics.median(alone):.3f} s alone, {statistics.median(alongside):.3f} s beside "
+          f"the batch: {ratio:.2f}x")
+    assert ratio <= 2.0, (f"median {statistics.median(alone):.3f} s alone, {statistics.median(alongside):.3f} s "
+                          f"beside the batch\n{logs(*procs)}")
+
+
+def run_example(name: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "examples" / name), *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_the_nanommo_client_streams_stories_to_several_players(service):
+    port, _ = service
+    ran = run_example("nanommo_client.py", "--url", f"http://127.0.0.1:{port}/v1", "--players", "4",
+                      "--turns", "1", "--max-tokens", "8")
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert "4 players, 4 stories from tiny-llama" in ran.stdout and "0 players failed" in ran.stdout
+    assert all(f"[{name}]" in ran.stdout for name in ("Aria", "Borin", "Cael", "Dara"))
+
+
+def test_batch_lore_uploads_polls_and_prints_every_legend(service):
+    port, _ = service
+    ran = run_example("batch_lore.py", "--url", f"http://127.0.0.1:{port}/v1", "--requests", "5",
+                      "--max-tokens", "8", "--poll", "0.2")
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert "completed, 5 answered, 0 failed" in ran.stdout
+    printed = [line.split(":")[0] for line in ran.stdout.splitlines() if line.startswith("lore-")]
+    assert printed == [f"lore-{i:04d}" for i in range(5)]
