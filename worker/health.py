@@ -1,0 +1,68 @@
+"""python -m worker.health: exit 0 when a worker in this container is serving, 1 and the reason if not.
+
+Docker's HEALTHCHECK runs it (Dockerfile.worker) beside the worker, so both see the same hostname.
+Serving means:
+  - a worker on this host has a live heartbeat in Redis: it has loaded its model and its loop runs
+    (a dead worker's heartbeat expires within HEARTBEAT_TTL_S, and one that stops cleanly deletes it);
+  - it is not draining (after SIGTERM it finishes what it holds but takes no new jobs);
+  - when a metrics port is set (METRICS_PORT, as in the image), its /metrics answers, since that is
+    how Prometheus sees the worker.
+It imports neither torch nor the model, so it takes milliseconds.
+"""
+from __future__ import annotations
+
+import socket
+import sys
+import urllib.error
+import urllib.request
+from typing import Optional
+
+import redis
+
+from shared import keys
+from shared.protocol import WorkerInfo
+from shared.redis_client import connect, explain, masked
+from shared.settings import Settings
+
+TIMEOUT_S = 3.0
+
+
+def problem(settings: Settings, host: str) -> Optional[str]:
+    """Why no worker on `host` is serving, or None when one is."""
+    client = connect(settings.redis_url, socket_connect_timeout=TIMEOUT_S, socket_timeout=TIMEOUT_S)
+    try:
+        # Worker ids start with their host's name (worker/__main__.py): read only this host's beats.
+        ids = [raw.decode() for raw in client.hkeys(keys.WORKERS)]
+        mine = [worker_id for worker_id in ids if worker_id.startswith(f"{host}-")]
+        beats = client.mget([keys.heartbeat(worker_id) for worker_id in mine]) if mine else []
+    except redis.RedisError as exc:
+        return f"cannot read Redis at {masked(settings.redis_url)}: {explain(exc)}"
+    finally:
+        client.close()
+    workers = [info for info in (WorkerInfo.from_json(beat) for beat in beats if beat) if info.host == host]
+    if not workers:
+        return f"no worker on {host} has a live heartbeat (still loading its model, or gone)"
+    if all(info.draining for info in workers):
+        return "the worker is draining: it is stopping and takes no new jobs"
+    if settings.metrics_port:
+        url = f"http://127.0.0.1:{settings.metrics_port}/metrics"
+        try:
+            with urllib.request.urlopen(url, timeout=TIMEOUT_S) as response:
+                response.read()
+        except (OSError, urllib.error.URLError) as exc:  # HTTPError (not 200) is a URLError too
+            return f"its metrics at {url} do not answer: {exc}"
+    return None
+
+
+def main(argv=None) -> None:
+    settings = Settings.parse(argv, ["redis_url", "metrics_port"],
+                              "Exit 0 when a worker on this host is serving (a container's health check)")
+    reason = problem(settings, socket.gethostname())
+    if reason:
+        print(f"unhealthy: {reason}", file=sys.stderr)
+        raise SystemExit(1)
+    print("healthy")
+
+
+if __name__ == "__main__":
+    main()
