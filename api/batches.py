@@ -159,6 +159,11 @@ def _field(body: dict, name: str, required: bool = False, default=None) -> str:
     if not isinstance(value, str):
         raise bad_request(f"'{name}' must be a string, not {type(value).__name__}: {value!r}", param=name,
                           code="invalid_type")
+    try:  # a \ud800 escape decodes to a lone surrogate, which no Redis key takes
+        value.encode()
+    except UnicodeEncodeError:
+        raise bad_request(f"'{name}' holds a lone surrogate (\\ud800-\\udfff): not valid Unicode", param=name,
+                          code="invalid_value")
     return value
 
 

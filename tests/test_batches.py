@@ -144,6 +144,7 @@ def test_a_batch_is_created_validating_and_queued_for_rq(api, fake_redis):
 @pytest.mark.parametrize("fields, param", [
     ({"input_file_id": None}, "input_file_id"),
     ({"input_file_id": "file-nope"}, "input_file_id"),
+    ({"input_file_id": "file-\ud800"}, "input_file_id"),
     ({"endpoint": "/v1/embeddings"}, "endpoint"),
     ({"endpoint": "/v1/completions"}, "endpoint"),  # the file's lines are chat requests
     ({"completion_window": "1h"}, "completion_window"),
