@@ -17,7 +17,10 @@ from shared.redis_client import connect, masked
 from shared.settings import Settings
 
 FLAGS = ["redis_url", "api_url", "batch_concurrency", "files_dir", "request_timeout", "api_keys", "api_keys_file"]
-# How often RQ looks for jobs whose worker died (its default is 10 minutes).
+# How soon a batch whose RQ worker died runs again: its job's heartbeat outlives the worker by 90 s
+# (RQ's), then another worker finds it when it next looks: after a job, or on waking while idle
+# (every ~7 minutes, RQ's worker TTL), at most once a minute here (RQ's default: 10 minutes).
+# Batches have hours: a few minutes before a rerun is no loss.
 MAINTENANCE_INTERVAL_S = 60
 
 

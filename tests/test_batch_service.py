@@ -100,6 +100,26 @@ def test_a_batch_of_50_completes_in_order_while_live_players_keep_their_latency(
                           f"beside the batch\n{logs(*procs)}")
 
 
+def test_a_running_batch_cancelled_keeps_its_answers_and_names_what_never_ran(service):
+    port, procs = service
+    client = make_client(port)
+    lines = [{"custom_id": f"npc-{i:02d}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": MODEL, "messages": [{"role": "user", "content": f"Bark {i}"}], "max_tokens": 100,
+                       "ignore_eos": True}} for i in range(40)]
+    upload = client.files.create(file=("barks.jsonl", io.BytesIO("".join(json.dumps(x) + "\n" for x in lines)
+                                                                 .encode())), purpose="batch")
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+    wait_until(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 2, procs, "two answers")
+    assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
+    wait_until(lambda: client.batches.retrieve(batch.id).status == "cancelled", procs, "the cancel", timeout=60)
+    done = client.batches.retrieve(batch.id)
+    answered = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
+    unsent = [json.loads(x) for x in client.files.content(done.error_file_id).text.splitlines()]
+    assert len(answered) == done.request_counts.completed and 2 <= len(answered) < 40
+    assert {u["error"]["code"] for u in unsent} == {"batch_cancelled"}
+    assert sorted(a["custom_id"] for a in answered + unsent) == [line["custom_id"] for line in lines]
+
+
 def run_example(name: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(ROOT / "examples" / name), *args], capture_output=True, text=True,
                           timeout=120)
