@@ -107,7 +107,7 @@ def play(client: openai.OpenAI, args, player: str, narrator: Narrator) -> Played
         for turn in range(args.turns):
             messages.append({"role": "user", "content": actions[turn % len(actions)]})
             messages.append({"role": "assistant", "content": tell(client, args, player, messages, narrator, played)})
-    except (openai.APIStatusError, openai.APIConnectionError) as exc:
+    except openai.APIError as exc:  # also an error the server sent in the middle of a stream
         played.failure = f"{type(exc).__name__}: {exc}"
         narrator.say(player, f"(the story broke off: {played.failure})")
     return played
