@@ -1,11 +1,16 @@
 """The API's OpenAPI 3.2 description, served at /openapi.json.
 
-Built as Python data from the limits api/validation.py enforces, so a changed limit changes the
-description too; tests/test_openapi_fuzz.py checks the running API against it.
+Built as Python data from the limits the code enforces (api/validation.py, the batch API's), so a
+changed limit changes the description too; tests/test_openapi_fuzz.py checks the running API against
+it. 3.2, not 3.1: its `itemSchema` describes a stream's server-sent events one by one.
 """
 from __future__ import annotations
 
+from api.batch_input import ENDPOINTS as BATCH_ENDPOINTS
+from api.batch_store import COMPLETION_WINDOWS
+from api.batches import MAX_METADATA, MAX_METADATA_KEY, MAX_METADATA_VALUE
 from api.errors import _TYPES as ERROR_TYPES
+from api.file_store import PURPOSE_INPUT
 from api.validation import (CHAT_ROLES, MAX_CHOICES, MAX_MESSAGES, MAX_PROMPTS, MAX_STOP_CHARS, MAX_STOPS,
                             MAX_TOTAL_CHOICES)
 from shared.protocol import PRIORITY_DEFAULT, PRIORITY_MAX, PRIORITY_MIN
@@ -47,8 +52,12 @@ def _responses() -> dict:
             "API keys are configured and the request has no valid `Authorization: Bearer <key>` "
             "(`code`: `invalid_api_key`)."),
         "NotFound": _error_response("No live worker serves this model (`code`: `model_not_found`, "
-                                    "`param`: `model`); the message lists the models served."),
-        "PayloadTooLarge": _error_response("The body is larger than the API reads (4 MiB)."),
+                                    "`param`: `model`; the message lists the models served), or no such file "
+                                    "(`file_not_found`) or batch (`batch_not_found`)."),
+        "Conflict": _error_response("The batch is over: only a validating or in-progress batch can be "
+                                    "cancelled (`code`: `batch_not_cancellable`)."),
+        "PayloadTooLarge": _error_response("The body is larger than the API reads: 4 MiB, or for a batch "
+                                           "input file --batch-file-limit (`code`: `file_too_large`)."),
         "TooManyRequests": _error_response(
             "Too much waiting: the model's queue is full (`code`: `queue_full`) or this API key made "
             "too many requests this minute (`code`: `rate_limit_exceeded`). Retry after the header's "
@@ -212,34 +221,109 @@ def _event(chunk_schema: str) -> dict:
         }}
 
 
+_ERRORS = {"400": "BadRequest", "401": "Unauthorized", "404": "NotFound", "409": "Conflict",
+           "413": "PayloadTooLarge", "429": "TooManyRequests", "500": "ServerError", "503": "Unavailable",
+           "504": "Timeout"}
+
+
+def _operation(summary: str, answer: dict, errors: str, body: dict | None = None, path_id: str = "") -> dict:
+    """`answer`: the 200's content by media type; `errors`: the other statuses it may answer."""
+    operation = {"summary": summary, "responses": {"200": {"description": "OK", "content": answer}}}
+    for status in errors.split():
+        operation["responses"][status] = _ref("responses", _ERRORS[status])
+    if body is not None:
+        operation["requestBody"] = {"required": True, "content": body}
+    if path_id:
+        operation["parameters"] = [{"name": path_id, "in": "path", "required": True, "schema": {"type": "string"}}]
+    return operation
+
+
+def _v1(summary: str, answer: dict, errors: str, **kwargs) -> dict:
+    """A /v1 route: behind the API keys and the rate limit (api/auth.py), reading Redis."""
+    operation = _operation(summary, answer, f"401 429 500 503 {errors}", **kwargs)
+    operation["security"] = [{"bearer": []}, {}]
+    return operation
+
+
+def _json(schema_name: str) -> dict:
+    return {"application/json": {"schema": _ref("schemas", schema_name)}}
+
+
 def _generate(summary: str, request_schema: str, answer_schema: str) -> dict:
+    answer = {**_json(answer_schema), "text/event-stream": {"itemSchema": _event(answer_schema + "Chunk")}}
+    operation = _v1(summary, answer, "400 404 413 504", body=_json(request_schema))
+    operation["responses"]["200"]["description"] = ("the answer; with `stream: true`, server-sent events, "
+                                                    "the last `data: [DONE]`")
+    return operation
+
+
+def _batch_paths() -> dict:
+    """The batch API (api/batches.py): a JSONL file of requests in, a batch run later, files out."""
+    file_upload = {"multipart/form-data": {"schema": _ref("schemas", "FileUpload")}}
     return {
-        "summary": summary,
-        "security": [{"bearer": []}, {}],
-        "requestBody": {"required": True, "content": {"application/json": {
-            "schema": _ref("schemas", request_schema)}}},
-        "responses": {
-            "200": {"description": "the answer; with `stream: true`, server-sent events, the last `data: [DONE]`",
-                    "content": {"application/json": {"schema": _ref("schemas", answer_schema)},
-                                "text/event-stream": {"itemSchema": _event(answer_schema + "Chunk")}}},
-            "400": _ref("responses", "BadRequest"), "401": _ref("responses", "Unauthorized"),
-            "404": _ref("responses", "NotFound"), "413": _ref("responses", "PayloadTooLarge"),
-            "429": _ref("responses", "TooManyRequests"), "500": _ref("responses", "ServerError"),
-            "503": _ref("responses", "Unavailable"), "504": _ref("responses", "Timeout"),
-        },
+        "/v1/files": {"post": _v1("Upload a batch input file", _json("File"), "400 413", body=file_upload)},
+        "/v1/files/{file_id}": {
+            "get": _v1("A file's object", _json("File"), "404", path_id="file_id"),
+            "delete": _v1("Delete a file", _json("FileDeleted"), "404", path_id="file_id")},
+        "/v1/files/{file_id}/content": {"get": _v1(
+            "A file's bytes", {"application/jsonl": {"schema": {"type": "string"}}}, "404", path_id="file_id")},
+        "/v1/batches": {"post": _v1("Run a file's requests", _json("Batch"), "400 413",
+                                    body=_json("BatchRequest"))},
+        "/v1/batches/{batch_id}": {"get": _v1("A batch's status and files", _json("Batch"), "404",
+                                              path_id="batch_id")},
+        "/v1/batches/{batch_id}/cancel": {"post": _v1("Stop sending a batch's requests", _json("Batch"),
+                                                      "404 409", path_id="batch_id")},
     }
 
 
-def _read(summary: str, answer: dict, *extra: str, secured: bool = False) -> dict:
-    operation = {"summary": summary,
-                 "responses": {"200": {"description": "OK", "content": {"application/json": {"schema": answer}}},
-                               "500": _ref("responses", "ServerError")}}
-    for status in extra:
-        name = {"401": "Unauthorized", "429": "TooManyRequests", "503": "Unavailable"}[status]
-        operation["responses"][status] = _ref("responses", name)
-    if secured:
-        operation["security"] = [{"bearer": []}, {}]
-    return {"get": operation}
+def _batch_schemas() -> dict:
+    count = {"type": "integer", "minimum": 0}
+    time = {"type": ["integer", "null"]}
+    metadata = {"type": "object", "maxProperties": MAX_METADATA, "propertyNames": {"maxLength": MAX_METADATA_KEY},
+                "additionalProperties": {"type": "string", "maxLength": MAX_METADATA_VALUE}}
+    return {
+        "FileUpload": {
+            "type": "object", "required": ["file", "purpose"],
+            "properties": {
+                "file": {"type": "string", "contentMediaType": "application/octet-stream",
+                         "description": "JSONL, one request a line: {\"custom_id\", \"method\": \"POST\", "
+                                        "\"url\", \"body\"}, each body checked as the route checks it"},
+                "purpose": {"type": "string", "enum": [PURPOSE_INPUT]}}},
+        "File": {
+            "type": "object", "required": ["id", "object", "bytes", "created_at", "filename", "purpose"],
+            "properties": {"id": {"type": "string"}, "object": {"type": "string", "enum": ["file"]},
+                           "bytes": count, "created_at": {"type": "integer"}, "filename": {"type": "string"},
+                           "purpose": {"type": "string"}, "status": {"type": "string"}, "expires_at": time}},
+        "FileDeleted": {
+            "type": "object", "required": ["id", "object", "deleted"],
+            "properties": {"id": {"type": "string"}, "object": {"type": "string", "enum": ["file"]},
+                           "deleted": {"type": "boolean"}}},
+        "BatchRequest": {
+            "type": "object", "required": ["input_file_id", "endpoint"],
+            "properties": {
+                "input_file_id": {"type": "string", "description": "an uploaded file, purpose batch"},
+                "endpoint": {"type": "string", "enum": sorted(BATCH_ENDPOINTS),
+                             "description": "every line's url must be this"},
+                "completion_window": _nullable({"type": "string", "enum": sorted(COMPLETION_WINDOWS)}),
+                "metadata": _nullable(metadata)}},
+        "Batch": {
+            "type": "object",
+            "required": ["id", "object", "endpoint", "input_file_id", "completion_window", "status",
+                         "created_at", "request_counts"],
+            "properties": {
+                "id": {"type": "string"}, "object": {"type": "string", "enum": ["batch"]},
+                "endpoint": {"type": "string"}, "errors": {"type": ["object", "null"]},
+                "input_file_id": {"type": "string"}, "completion_window": {"type": "string"},
+                "status": {"type": "string", "enum": ["validating", "in_progress", "finalizing", "completed",
+                                                      "failed", "expired", "cancelling", "cancelled"]},
+                "output_file_id": {"type": ["string", "null"]}, "error_file_id": {"type": ["string", "null"]},
+                **{name: time for name in ("created_at", "in_progress_at", "expires_at", "finalizing_at",
+                                           "completed_at", "failed_at", "expired_at", "cancelling_at",
+                                           "cancelled_at")},
+                "request_counts": {"type": "object", "required": ["total", "completed", "failed"],
+                                   "properties": {"total": count, "completed": count, "failed": count}},
+                "metadata": {"type": ["object", "null"]}}},
+    }
 
 
 def document() -> dict:
@@ -248,21 +332,22 @@ def document() -> dict:
         "info": {
             "title": "Storyteller",
             "version": "1",
-            "description": "OpenAI-shaped completions, written by a pool of model workers behind Redis. "
-                           "Every error, on any path or method (404, 405 too), is "
+            "description": "OpenAI-shaped completions, written by a pool of model workers behind Redis, "
+                           "and OpenAI's Batch API. Every error, on any path or method (404, 405 too), is "
                            "`{\"error\": {\"message\", \"type\", \"param\", \"code\"}}`.",
         },
         "paths": {
             "/v1/completions": {"post": _generate("Complete prompts", "CompletionRequest", "Completion")},
             "/v1/chat/completions": {"post": _generate("Answer a conversation", "ChatCompletionRequest",
                                                        "ChatCompletion")},
-            "/v1/models": _read("The models with a live worker", _ref("schemas", "ModelList"),
-                                "401", "429", "503", secured=True),
-            "/health": _read("Redis reachable and the live workers", _ref("schemas", "Health"), "503"),
-            "/openapi.json": _read("This description", {"type": "object"}),
+            "/v1/models": {"get": _v1("The models with a live worker", _json("ModelList"), "")},
+            **_batch_paths(),
+            "/health": {"get": _operation("Redis reachable and the live workers", _json("Health"), "500 503")},
+            "/openapi.json": {"get": _operation("This description",
+                                                {"application/json": {"schema": {"type": "object"}}}, "500")},
         },
         "components": {
-            "schemas": {**_error_schemas(), **_request_schemas(), **_answer_schemas()},
+            "schemas": {**_error_schemas(), **_request_schemas(), **_answer_schemas(), **_batch_schemas()},
             "responses": _responses(),
             "securitySchemes": {"bearer": {
                 "type": "http", "scheme": "bearer",
