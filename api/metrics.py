@@ -52,6 +52,14 @@ PROMPT_TOKENS = Counter(names.PROMPT_TOKENS, "Prompt tokens, as answered in `usa
 COMPLETION_TOKENS = Counter(names.COMPLETION_TOKENS, "Completion tokens, as answered in `usage`", ["model"])
 ERRORS = Counter(names.ERRORS, "Errors answered, by code (an HTTP error, or one inside a stream)", ["code"])
 
+# Series there from the start, at 0. Prometheus sees a labelled counter's first increase only if it
+# saw the series before: one born at 1 has a rate of 0, and the first burst of 429s or 5xx would
+# go unseen by the alerts. The codes of overload and failure, and the statuses they come with:
+EXPECTED_ERRORS = ("queue_full", "rate_limit_exceeded", "service_unavailable", "timeout", "worker_error",
+                   "worker_crashed", "server_error")
+EXPECTED_REQUESTS = [(route, status) for route in ("/v1/completions", "/v1/chat/completions")
+                     for status in ("200", "429", "500", "503", "504")]
+
 
 def install(app: Flask, client: redis.Redis) -> None:
     """Count `app`'s requests, and serve /metrics. Install before anything that may refuse a
@@ -62,6 +70,10 @@ def install(app: Flask, client: redis.Redis) -> None:
     else:  # one process (tests, or the app served some other way): its own numbers are all there is
         registry.register(_ThisProcess())
     registry.register(QueueCollector(client))
+    for code in EXPECTED_ERRORS:
+        ERRORS.labels(code)
+    for route, status in EXPECTED_REQUESTS:
+        REQUESTS.labels(route, status)
     app.before_request(_arrived)
     app.after_request(_answered)
     app.wsgi_app = DispatcherMiddleware(app.wsgi_app, {PATH: make_wsgi_app(registry)})
