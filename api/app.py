@@ -15,6 +15,7 @@ from typing import Optional
 
 import redis
 from flask import Flask, Response, jsonify, request
+from flask.json.provider import DefaultJSONProvider
 from werkzeug.exceptions import HTTPException
 
 from api import auth, batches
@@ -44,6 +45,7 @@ def create_app(settings: Optional[Settings] = None, client: Optional[redis.Redis
     broker = Broker(client, settings.worker_grace, settings.max_queue)
     tokenizers = TokenizerCache(client)
     app = Flask(__name__)
+    app.json = _JsonProvider(app)
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
     metrics.install(app, client)  # first: a request refused by auth is counted too
     auth.install(app, settings, client)
@@ -129,6 +131,17 @@ def create_app(settings: Optional[Settings] = None, client: Optional[redis.Redis
             pending.close()
 
     return app
+
+
+class _JsonProvider(DefaultJSONProvider):
+    """Flask's JSON, except that a body nested deeper than Python's stack ([[[[...]]]]) is invalid
+    JSON, which every route answers with a 400, not a RecursionError's 500."""
+
+    def loads(self, s, **kwargs):
+        try:
+            return super().loads(s, **kwargs)
+        except RecursionError:
+            raise ValueError("the JSON nests too deeply") from None
 
 
 def _json_body():

@@ -62,6 +62,8 @@ def _line(number: int, raw: str) -> BatchLine:
         data = json.loads(raw)
     except json.JSONDecodeError as exc:
         raise _invalid(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})")
+    except RecursionError:  # [[[[...]]]] deeper than Python's stack
+        raise _invalid(f"{where}: not valid JSON (it nests too deeply)")
     if not isinstance(data, dict):
         raise _invalid(f"{where}: must be a JSON object with custom_id, method, url and body")
     try:  # a \ud800 escape decodes to a lone surrogate, which Redis and the tokenizer refuse

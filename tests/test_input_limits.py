@@ -2,6 +2,8 @@
 each limit itself accepted, and nothing queued for a refused request."""
 from __future__ import annotations
 
+import io
+
 import pytest
 
 from api.app import create_app
@@ -89,3 +91,15 @@ def _escaped(value) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(_escaped(v) for v in value) + "]"
     return '"' + "".join(c if c.isascii() else f"\\u{ord(c):04x}" for c in value) + '"'
+
+
+@pytest.mark.parametrize("depth", [900, 1000, 100_000])  # about Python's recursion limit, and far past it
+def test_json_nested_deeper_than_the_stack_gets_a_400_not_a_500(served, depth):
+    nested = "[" * depth + "]" * depth
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/batches"):
+        body = '{"model": "%s", "prompt": "hi", "user": %s}' % (MODEL, nested)
+        # Parsed (a 400 for the field) or not (a 400 for the JSON): whichever, no RecursionError's 500.
+        _error(served.post(path, data=body, content_type="application/json"), 400)
+    line = '{"custom_id": "1", "method": "POST", "url": "/v1/completions", "body": %s}' % nested
+    upload = served.post("/v1/files", data={"purpose": "batch", "file": (io.BytesIO(line.encode()), "deep.jsonl")})
+    assert "line 1" in _error(upload, 400, param="file")["message"]
