@@ -1,6 +1,9 @@
 """Decode attention over the paged cache: the C++ kernel, torch's path and plain softmax agree."""
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 
@@ -80,3 +83,14 @@ def test_padding_past_a_rows_length_is_never_read(kernel):
         step.kernel = kernel if use_kernel else None
         out = attention.attend(q, cache, 0, step, scale=0.25)
         assert torch.allclose(out, expected, atol=1e-5), f"kernel={use_kernel}"
+
+
+def test_a_build_lock_left_by_a_killed_build_is_cleared_a_live_one_is_not(tmp_path):
+    lock = tmp_path / "lock"
+    lock.touch()
+    kernels._clear_stale_lock(str(tmp_path))
+    assert lock.exists()  # a build may be running right now: wait for it as torch does
+    old = time.time() - kernels.STALE_LOCK_S - 1
+    os.utime(lock, (old, old))
+    kernels._clear_stale_lock(str(tmp_path))
+    assert not lock.exists()

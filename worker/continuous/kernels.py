@@ -8,12 +8,30 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from functools import lru_cache
 from typing import Optional
 
 log = logging.getLogger(__name__)
 
 SOURCE = os.path.join(os.path.dirname(__file__), "paged_decode.cpp")
+# A build takes ~25 s here (minutes on a busy machine). torch's build lock is a bare file that a
+# killed build leaves behind, and torch waits on it forever: older than this, it is a dead one's.
+STALE_LOCK_S = 180
+
+
+def _clear_stale_lock(build_dir: str) -> None:
+    lock = os.path.join(build_dir, "lock")
+    try:
+        age = time.time() - os.path.getmtime(lock)
+    except OSError:
+        return  # no lock: nobody is building
+    if age > STALE_LOCK_S:
+        log.warning("removing a kernel build lock left %.0f s ago by a build that never finished", age)
+        try:
+            os.remove(lock)
+        except OSError:
+            pass
 
 
 @lru_cache(maxsize=None)
@@ -31,6 +49,7 @@ def paged_decode(build_dir: str = "") -> Optional[object]:
         if build_dir:
             build_dir = os.path.expanduser(build_dir)
             os.makedirs(build_dir, exist_ok=True)
+            _clear_stale_lock(build_dir)
         return load(name="storyteller_paged_decode", sources=[SOURCE], build_directory=build_dir or None,
                     extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
                     extra_ldflags=["-fopenmp"], verbose=False)
