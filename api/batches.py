@@ -20,6 +20,7 @@ from api.batch_input import ENDPOINTS, parse_file
 from api.batch_store import COMPLETION_WINDOWS, BatchStore
 from api.errors import ApiError, bad_request
 from api.file_store import PURPOSE_INPUT, FileStore
+from api.validation import get_field
 from shared import keys
 from shared.settings import Settings
 
@@ -66,10 +67,7 @@ def blueprint(settings: Settings, client: redis.Redis) -> Blueprint:
         return jsonify(files.create(content, upload.filename or "batch.jsonl", purpose, extra))
 
     def file_or_404(file_id: str) -> dict:
-        found = files.get(file_id)
-        if found is None:
-            raise ApiError(404, f"No such File object: {file_id}", param="file_id", code="file_not_found")
-        return found
+        return _found(files.get(file_id), "File", file_id)
 
     @bp.get("/v1/files/<file_id>")
     def file_object(file_id: str):
@@ -129,10 +127,7 @@ def blueprint(settings: Settings, client: redis.Redis) -> Blueprint:
         return jsonify(batches.get(batch_id))
 
     def batch_or_404(batch_id: str) -> dict:
-        found = batches.get(batch_id)
-        if found is None:
-            raise ApiError(404, f"No such Batch object: {batch_id}", param="batch_id", code="batch_not_found")
-        return found
+        return _found(batches.get(batch_id), "Batch", batch_id)
 
     @bp.get("/v1/batches/<batch_id>")
     def batch_object(batch_id: str):
@@ -150,20 +145,22 @@ def blueprint(settings: Settings, client: redis.Redis) -> Blueprint:
     return bp
 
 
+def _found(record, kind: str, record_id: str) -> dict:
+    """The record, or a 404 naming it (`File` -> param file_id, code file_not_found)."""
+    if record is None:
+        name = kind.lower()
+        raise ApiError(404, f"No such {kind} object: {record_id}", param=f"{name}_id", code=f"{name}_not_found")
+    return record
+
+
 def _field(body: dict, name: str, required: bool = False, default=None) -> str:
-    value = body.get(name)
-    if value is None:
-        if required:
-            raise bad_request(f"you must provide '{name}'", param=name, code="missing_required_parameter")
-        return default
-    if not isinstance(value, str):
-        raise bad_request(f"'{name}' must be a string, not {type(value).__name__}: {value!r}", param=name,
-                          code="invalid_type")
-    try:  # a \ud800 escape decodes to a lone surrogate, which no Redis key takes
-        value.encode()
-    except UnicodeEncodeError:
-        raise bad_request(f"'{name}' holds a lone surrogate (\\ud800-\\udfff): not valid Unicode", param=name,
-                          code="invalid_value")
+    value = get_field(body, name, str, default, required=required)
+    if value is not None:
+        try:  # a \ud800 escape decodes to a lone surrogate, which no Redis key takes
+            value.encode()
+        except UnicodeEncodeError:
+            raise bad_request(f"'{name}' holds a lone surrogate (\\ud800-\\udfff): not valid Unicode",
+                              param=name, code="invalid_value")
     return value
 
 

@@ -46,7 +46,7 @@ _KIND_NAMES = {int: "an integer", float: "a number", bool: "a boolean", str: "a 
                dict: "an object", list: "an array"}
 
 
-def _get(body: dict, name: str, kind, default=None, *, required: bool = False):
+def get_field(body: dict, name: str, kind, default=None, *, required: bool = False):
     value = body.get(name)
     if value is None:
         if required:
@@ -64,7 +64,7 @@ def _check(ok: bool, name: str, message: str) -> None:
 
 
 def _max_tokens(body: dict, name: str, default: Optional[int]) -> Optional[int]:
-    max_tokens = _get(body, name, int, default)
+    max_tokens = get_field(body, name, int, default)
     if max_tokens is not None:
         _check(max_tokens >= 1, name, f"must be at least 1, got {max_tokens}")
     return max_tokens
@@ -72,13 +72,13 @@ def _max_tokens(body: dict, name: str, default: Optional[int]) -> Optional[int]:
 
 def _sampling(body: dict, max_tokens_name: str = "max_tokens", default_max: Optional[int] = None):
     max_tokens = _max_tokens(body, max_tokens_name, default_max)
-    temperature = float(_get(body, "temperature", float, 1.0))
+    temperature = float(get_field(body, "temperature", float, 1.0))
     _check(0 <= temperature <= 2, "temperature", f"must be between 0 and 2, got {temperature}")
-    top_p = float(_get(body, "top_p", float, 1.0))
+    top_p = float(get_field(body, "top_p", float, 1.0))
     _check(0 < top_p <= 1, "top_p", f"must be in (0, 1], got {top_p}")
-    top_k = _get(body, "top_k", int, 0)
+    top_k = get_field(body, "top_k", int, 0)
     _check(top_k >= -1, "top_k", f"must be -1 or 0 (off) or a positive integer, got {top_k}")
-    seed = _get(body, "seed", int)
+    seed = get_field(body, "seed", int)
     if seed is not None:
         _check(abs(seed) < 2**63 - MAX_CHOICES, "seed", f"must fit in 64 bits, got {seed}")
     stop = body.get("stop")
@@ -95,7 +95,7 @@ def _sampling(body: dict, max_tokens_name: str = "max_tokens", default_max: Opti
     # max_tokens here is a placeholder: the API sets it once it knows the room the prompt leaves.
     params = SamplingParams(max_tokens=max_tokens or 1, temperature=temperature, top_p=top_p,
                             top_k=max(top_k, 0), seed=seed, stop=stop,
-                            ignore_eos=_get(body, "ignore_eos", bool, False))
+                            ignore_eos=get_field(body, "ignore_eos", bool, False))
     return params, max_tokens
 
 
@@ -103,21 +103,21 @@ def _common(body, max_tokens_name: str, default_max: Optional[int], **fields) ->
     if not isinstance(body, dict):
         raise bad_request("the body must be a JSON object, e.g. {\"model\": ..., \"prompt\": ...}",
                           code="invalid_json")
-    model = _get(body, "model", str, required=True)
+    model = get_field(body, "model", str, required=True)
     params, max_tokens = _sampling(body, max_tokens_name, default_max)
-    n = _get(body, "n", int, 1)
+    n = get_field(body, "n", int, 1)
     _check(1 <= n <= MAX_CHOICES, "n", f"must be between 1 and {MAX_CHOICES}, got {n}")
-    _get(body, "user", str)
-    options = _get(body, "stream_options", dict, {})
+    get_field(body, "user", str)
+    options = get_field(body, "stream_options", dict, {})
     include_usage = options.get("include_usage")
     if include_usage is not None and not isinstance(include_usage, bool):
         raise bad_request(f"'stream_options.include_usage' must be a boolean, not {include_usage!r}",
                           param="stream_options.include_usage", code="invalid_type")
-    priority = _get(body, "priority", int, PRIORITY_DEFAULT)
+    priority = get_field(body, "priority", int, PRIORITY_DEFAULT)
     _check(PRIORITY_MIN <= priority <= PRIORITY_MAX, "priority",
            f"must be between {PRIORITY_MIN} (most urgent) and {PRIORITY_MAX}, got {priority}")
     return CompletionRequest(model=model, params=params, max_tokens=max_tokens, max_tokens_param=max_tokens_name,
-                             n=n, priority=priority, stream=_get(body, "stream", bool, False),
+                             n=n, priority=priority, stream=get_field(body, "stream", bool, False),
                              include_usage=bool(include_usage), **fields)
 
 
