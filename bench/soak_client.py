@@ -34,6 +34,7 @@ class Attempt:
     done: float = 0.0
     outcome: str = ""
     detail: str = ""  # the error code or status, or how it was lost
+    message: str = ""  # the server's error message, for a failed one
     text: str = ""
     completion_tokens: Optional[int] = None
     ttft: Optional[float] = None
@@ -68,6 +69,11 @@ def error_label(payload: dict) -> str:
     return "error"
 
 
+def error_message(payload: dict) -> str:
+    error = payload.get("error")
+    return str(error.get("message", ""))[:200] if isinstance(error, dict) else ""
+
+
 def send(url: str, model: str, prompt: str, max_tokens: int, attempt: Attempt, timeout: float,
          clock: Callable[[], float]) -> Attempt:
     """Send the request, read what comes, and fill in `attempt`'s outcome."""
@@ -79,7 +85,8 @@ def send(url: str, model: str, prompt: str, max_tokens: int, attempt: Attempt, t
                 _read_whole(response, attempt, clock)
     except urllib.error.HTTPError as exc:
         try:
-            label = f"HTTP {exc.code} {error_label(json.loads(exc.read()))}"
+            payload = json.loads(exc.read())
+            label, attempt.message = f"HTTP {exc.code} {error_label(payload)}", error_message(payload)
         except (ValueError, OSError, http.client.HTTPException):
             label = f"HTTP {exc.code} (no error body)"
         _end(attempt, clock, FAILED, label)
@@ -127,6 +134,7 @@ def _read_stream(response, attempt: Attempt, timeout: float, clock) -> None:
             break
         chunk = json.loads(data)
         if chunk.get("error"):
+            attempt.message = error_message(chunk)
             _end(attempt, clock, FAILED, f"stream error {error_label(chunk)}")
             return
         piece = chunk_text(chunk)

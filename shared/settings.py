@@ -79,8 +79,9 @@ class Settings:
                                      "per core)")
     cache_dir: str = _setting("~/.cache/storyteller", "where a worker keeps what makes its next "
                                                        "start faster (empty: nowhere)")
-    max_attempts: int = _setting(2, "times a job is tried when its worker dies holding it; after "
-                                    "that its client gets a 'worker_crashed' error")
+    max_attempts: int = _setting(2, "times a job is retried when its worker dies holding it (the "
+                                    "last retry runs alone); after that its client gets a "
+                                    "'worker_crashed' error")
     metrics_port: int = _setting(0, "port of the worker's Prometheus /metrics, on every interface "
                                     "(0: none)")
     crash_on_prompt: str = _setting("", "test only, off by default: a worker that takes a job whose "

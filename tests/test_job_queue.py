@@ -171,7 +171,7 @@ def test_an_idle_worker_wakes_when_the_api_pushes(real_redis):
     assert time.monotonic() - started < 1
 
 
-def test_a_job_that_kills_its_workers_fails_after_its_attempts_and_the_others_go_on(client):
+def test_a_job_that_kills_its_workers_fails_after_its_retries_and_the_others_go_on(client):
     pubsub = client.pubsub()
     pubsub.subscribe(keys.channel("job-0"))
     assert pubsub.get_message(timeout=1)["type"] == "subscribe"
@@ -179,21 +179,28 @@ def test_a_job_that_kills_its_workers_fails_after_its_attempts_and_the_others_go
     first = JobQueue(client, "first", MODEL, max_attempts=2)
     assert len(first.take(limit=8, wait_s=0, block_s=1)) == 3
     _die(first, client)
-    survivor = JobQueue(client, "survivor", MODEL, max_attempts=2)
-    assert survivor.requeue_dead_workers() == 3
+    # First retry: batched as usual (a worker killed from outside must not slow the crowd down).
+    second = JobQueue(client, "second", MODEL, max_attempts=2)
+    assert second.requeue_dead_workers() == 3
+    assert _ids(second.take(limit=8, wait_s=0, block_s=0)) == ["job-0", "job-1", "job-2"]
+    assert not second.isolated
+    _die(second, client)
 
-    # Each job that lost a worker now runs alone: never beside another, never in a busy worker.
-    assert survivor.take(limit=8, wait_s=0, block_s=0, alone_ok=False) == []
-    assert _ids(survivor.take(limit=8, wait_s=0, block_s=0)) == ["job-0"]
-    assert survivor.isolated == {"job-0"}
-    _die(survivor, client)  # job-0 kills this worker too: it is the culprit
+    # The last retry: each job runs alone, never beside another, never in a busy worker.
     third = JobQueue(client, "third", MODEL, max_attempts=2)
-    assert third.requeue_dead_workers() == 0
+    assert third.requeue_dead_workers() == 3
+    assert third.take(limit=8, wait_s=0, block_s=0, alone_ok=False) == []
+    assert _ids(third.take(limit=8, wait_s=0, block_s=0)) == ["job-0"]
+    assert third.isolated == {"job-0"}
+    _die(third, client)  # job-0 kills this worker too, alone: it is the culprit
+    fourth = JobQueue(client, "fourth", MODEL, max_attempts=2)
+    assert fourth.requeue_dead_workers() == 0
     failure = decode_result(client.get(keys.answer("job-0")))
     assert isinstance(failure, Failure) and failure.code == "worker_crashed"
+    assert "3 time(s)" in failure.message
     assert decode_result(pubsub.get_message(timeout=1)["data"]) == failure
     # The innocent ones are still queued, in order, and are taken (alone) as usual.
-    assert _ids(third.take(limit=8, wait_s=0, block_s=0)) == ["job-1"]
+    assert _ids(fourth.take(limit=8, wait_s=0, block_s=0)) == ["job-1"]
 
 
 def test_a_requeued_job_keeps_its_priority(client):

@@ -151,7 +151,7 @@ def test_a_rolling_restart_of_the_only_worker_answers_every_request(redis_alone,
     assert re.search(r"stopping: finishing [12] request", logs(old))
 
 
-def test_a_job_that_kills_its_worker_fails_after_its_attempts_and_the_rest_complete(
+def test_a_job_that_kills_its_worker_fails_after_its_retries_and_the_rest_complete(
         redis_alone, tiny_model_dirs, tmp_path):
     poison = [7, 7, 7, 7, 7]
     port, api = _api(redis_alone, tmp_path, "api")
@@ -188,6 +188,7 @@ def test_a_job_that_kills_its_worker_fails_after_its_attempts_and_the_rest_compl
             stop(proc)
     assert outcomes[1] == "worker_crashed", logs(*started)
     assert all(isinstance(o, int) and 1 <= o <= 5 for i, o in enumerate(outcomes) if i != 1), outcomes
-    # Two workers died (the attempts), the third served the rest; not one more.
-    assert [p.returncode for p in started[:2]] == [-signal.SIGKILL] * 2
-    assert len(started) == 3
+    # Three workers died (the first try and the 2 retries, the last alone), the fourth served the
+    # rest; not one more.
+    assert [p.returncode for p in started[:3]] == [-signal.SIGKILL] * 3
+    assert len(started) == 4

@@ -27,15 +27,16 @@ DRAINED_TTL_S = 120  # the per-second counts of jobs taken, which the API reads 
 ATTEMPTS_TTL_S = 24 * 3600
 
 # Move up to ARGV[1] jobs, most urgent queue first and FIFO within one, into this worker's
-# processing list, in one atomic step. A job whose earlier workers died (its attempts count has
-# reached ARGV[3] > 0) is taken only alone (ARGV[2] = 1: this worker holds nothing) and then
-# nothing with it; otherwise taking stops before it, so priority order holds.
+# processing list, in one atomic step. A job on its last retry (ARGV[3] > 0 workers died holding
+# it) is taken only alone (ARGV[2] = 1: this worker holds nothing) and then nothing with it, so
+# that if it kills this worker too, it alone is to blame; otherwise taking stops before it, so
+# priority order holds.
 # KEYS: the model's queues, most urgent first, then the processing list.
 # Returns {1 if the one job taken must run alone, the jobs}.
 _TAKE = """
 local nq = #KEYS - 1
 local processing = KEYS[nq + 1]
-local limit, alone_ok, last_chance = tonumber(ARGV[1]), ARGV[2] == '1', tonumber(ARGV[3])
+local limit, alone_ok, last_retry = tonumber(ARGV[1]), ARGV[2] == '1', tonumber(ARGV[3])
 local taken, isolated = {}, 0
 for i = 1, nq do
   while #taken < limit do
@@ -43,7 +44,7 @@ for i = 1, nq do
     if not raw then break end
     local id = string.match(raw, '^{"id":"([^"]*)"') or ''
     local tries = tonumber(redis.call('GET', ARGV[4] .. id) or '0')
-    if last_chance > 0 and tries >= last_chance then
+    if last_retry > 0 and tries >= last_retry then
       if alone_ok and #taken == 0 then
         redis.call('LMOVE', KEYS[i], processing, 'LEFT', 'RIGHT')
         taken[1], isolated = raw, 1
@@ -64,8 +65,8 @@ return {isolated, taken}
 """
 
 # Put a dead worker's jobs back at the front of their queues, newest first so the oldest ends up
-# first in line, counting one more attempt for each; a job out of attempts is answered with
-# ARGV[1] (a Failure) instead. KEYS: the dead worker's processing list, the model's wake list.
+# first in line, counting the death for each; a job that has already had its ARGV[2] retries is
+# answered with ARGV[1] (a Failure) instead. KEYS: the dead worker's processing list, the model's wake list.
 # ARGV: the failure, max attempts, then the key prefixes. Returns {jobs requeued, jobs failed}.
 _REQUEUE = """
 local requeued, failed = 0, 0
@@ -76,7 +77,7 @@ while true do
   local priority = string.match(raw, '"priority":(-?%d+)}$') or '0'
   local tries = redis.call('INCR', ARGV[3] .. id)
   redis.call('EXPIRE', ARGV[3] .. id, tonumber(ARGV[7]))
-  if tries >= tonumber(ARGV[2]) then
+  if tries > tonumber(ARGV[2]) then
     redis.call('SET', ARGV[4] .. id, ARGV[1], 'EX', tonumber(ARGV[6]))
     redis.call('PUBLISH', ARGV[5] .. id, ARGV[1])
     failed = failed + 1
@@ -113,8 +114,8 @@ class JobQueue:
 
     def take(self, limit: int, wait_s: float, block_s: float, alone_ok: bool = True) -> list[Job]:
         """Up to `limit` jobs, most urgent queue first: wait up to `block_s` for the first, then
-        `wait_s` more for the rest. A job whose worker died before runs alone (`alone_ok`: this
-        worker holds nothing), so that if it kills this worker too, it alone is to blame."""
+        `wait_s` more for the rest. A job on its last retry runs alone (`alone_ok`: this worker
+        holds nothing), so that if it kills this worker too, it alone is to blame."""
         if limit <= 0:
             return []
         raws = self._take_now(limit, alone_ok)
@@ -137,7 +138,7 @@ class JobQueue:
     def _take_now(self, limit: int, alone_ok: bool) -> list[bytes]:
         isolated, raws = self._take_script(
             keys=[*keys.queues(self.model), self._processing],
-            args=[limit, int(alone_ok), self.max_attempts - 1, keys.attempts(""),
+            args=[limit, int(alone_ok), self.max_attempts, keys.attempts(""),
                   keys.drained_prefix(self.model), DRAINED_TTL_S])
         if isolated:
             self.isolated.add(_job_id(raws[0]))
@@ -245,10 +246,11 @@ class JobQueue:
 
     def requeue_dead_workers(self) -> int:
         """Put the jobs of workers without a heartbeat back in their queues; a job that has now
-        lost `max_attempts` workers is failed instead, so a job that kills workers stops there."""
+        lost a worker on each of its `max_attempts` retries too is failed instead, so a job that
+        kills workers stops there."""
         total = 0
         crashed = encode_result(Failure(
-            message=f"the request's worker died while writing it, {self.max_attempts} time(s): "
+            message=f"the request's worker died while writing it, {self.max_attempts + 1} time(s): "
                     f"it was not tried again", code="worker_crashed"))
         for worker_id, model in self.redis.hgetall(keys.WORKERS).items():
             worker_id, model = worker_id.decode(), model.decode()
@@ -263,7 +265,7 @@ class JobQueue:
             self.crashed[model] += failed
             if requeued or failed:
                 log.warning("worker %s is gone: %d job(s) back in the queue, %d failed after %d "
-                            "attempt(s)", worker_id, requeued, failed, self.max_attempts)
+                            "retries", worker_id, requeued, failed, self.max_attempts)
             total += requeued
         return total
 
