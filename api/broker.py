@@ -16,6 +16,10 @@ from shared.protocol import Failure, Final, Job, Result, WorkerInfo, decode_resu
 LOOK_EVERY_S = 1.0
 # Retry-After for a request that finds no worker: about what a worker takes to start.
 WORKER_START_S = 10
+# A waiting request rides out Redis being away this long (a restart: the queue and the answers
+# survive it when Redis keeps them on disk) before it gives up with 503.
+REDIS_OUTAGE_S = 30
+REDIS_RETRY_S = 0.5
 
 
 class Broker:
@@ -72,34 +76,56 @@ class Pending:
         while confirmed < len(self._index):
             message = self._pubsub.get_message(timeout=max(0.0, give_up - time.monotonic()))
             if message is None and time.monotonic() >= give_up:
-                raise unavailable("Redis did not confirm the subscription in time")
+                raise redis.ConnectionError("Redis did not confirm the subscription in time")
             if message and message["type"] == "subscribe":
                 confirmed += 1
 
     def results(self) -> Iterator[tuple[int, Result]]:
         """(choice index, result) as they come, until every job has its Final or Failure."""
         model, deadline = self.jobs[0].model, self.jobs[0].deadline
-        next_look, alone_since = time.monotonic() + LOOK_EVERY_S, None
+        next_look, alone_since, redis_lost_since = time.monotonic() + LOOK_EVERY_S, None, None
         while self._open:
-            wait = max(0.0, next_look - time.monotonic())
-            message = self._pubsub.get_message(ignore_subscribe_messages=True, timeout=wait)
-            if message and message["type"] == "message":
-                yield from self._take(self._index[message["channel"]], decode_result(message["data"]))
-            if time.monotonic() < next_look:
+            try:
+                if redis_lost_since is not None:  # back, maybe: listen again, then read what was missed
+                    self._resubscribe()
+                    next_look = time.monotonic()
+                wait = max(0.0, next_look - time.monotonic())
+                message = self._pubsub.get_message(ignore_subscribe_messages=True, timeout=wait)
+                redis_lost_since = None
+                if message and message["type"] == "message":
+                    yield from self._take(self._index[message["channel"]], decode_result(message["data"]))
+                if time.monotonic() < next_look:
+                    continue
+                next_look = time.monotonic() + LOOK_EVERY_S
+                yield from self._read_stored_answers()
+                workers = self.broker.live_workers()
+            except (redis.ConnectionError, redis.TimeoutError):
+                # The worker holding the job goes on writing and publishes once Redis is back; the
+                # final answer is stored, so nothing said meanwhile is lost to a whole answer.
+                redis_lost_since = redis_lost_since or time.monotonic()
+                if time.monotonic() - redis_lost_since > REDIS_OUTAGE_S or time.time() > deadline:
+                    raise
+                time.sleep(REDIS_RETRY_S)
                 continue
-            next_look = time.monotonic() + LOOK_EVERY_S
-            yield from self._read_stored_answers()
             if time.time() > deadline:
                 raise ApiError(504, "the request timed out before its answer was written", code="timeout")
             # A draining worker still counts: it finishes what it holds. With none at all, the
             # jobs wait in the queue for a restarted worker, for a grace period.
-            if any(w.model == model for w in self.broker.live_workers()):
+            if any(w.model == model for w in workers):
                 alone_since = None
             elif alone_since is None:
                 alone_since = time.monotonic()
             elif time.monotonic() - alone_since > self.broker.worker_grace_s:
                 raise unavailable(f"no worker has served {model} for {self.broker.worker_grace_s:g} s",
                                   retry_after=WORKER_START_S)
+
+    def _resubscribe(self) -> None:
+        try:
+            self._pubsub.close()
+        except redis.RedisError:
+            pass
+        self._pubsub = self.broker.redis.pubsub()
+        self._subscribe()
 
     def _take(self, index: int, result: Result) -> Iterator[tuple[int, Result]]:
         if index not in self._open:

@@ -151,6 +151,9 @@ class SoakStack:
         return sum(client.llen(k) for k in client.keys(keys.processing("*")))
 
     def close(self) -> None:
+        # A second Ctrl-C (or one forwarded by `timeout`) must not cut the clean-up short and
+        # leave workers behind.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         for worker in self.workers:  # all at once: each finishes what it holds
             if worker.poll() is None:
                 worker.terminate()

@@ -192,3 +192,34 @@ def test_a_job_that_kills_its_worker_fails_after_its_retries_and_the_rest_comple
     # rest; not one more.
     assert [p.returncode for p in started[:3]] == [-signal.SIGKILL] * 3
     assert len(started) == 4
+
+
+def test_requests_in_flight_ride_out_a_redis_restart(tiny_model_dirs, tmp_path):
+    # A Redis that keeps its data on disk, as the compose file's does: the queue survives it.
+    server = RedisServer(str(tmp_path), extra_args=("--appendonly", "yes", "--appendfsync", "always"))
+    server.start()
+    port, api = _api(server, tmp_path, "api")
+    worker = _worker(tiny_model_dirs["llama"], server, tmp_path, "worker")
+    try:
+        wait_until(lambda: MODEL in models_served(port), [worker, api], "the stack")
+        client = make_client(port)
+        request = dict(model=MODEL, prompt="The bard sang", max_tokens=12, temperature=0,
+                       extra_body={"ignore_eos": True})
+        expected = client.completions.create(**request).choices[0].text
+        # The worker stops taking jobs (its heartbeat lives on for a moment, so both are accepted).
+        worker.send_signal(signal.SIGSTOP)
+        with ThreadPoolExecutor(2) as pool:
+            whole = pool.submit(client.completions.create, **request)
+            streamed = pool.submit(lambda: "".join(c.choices[0].text for c in
+                                                   client.completions.create(stream=True, **request)))
+            wait_until(lambda: server.client().llen(keys.queue(MODEL)) == 2, [api], "both jobs queued")
+            server.stop()
+            time.sleep(2)
+            server.start()  # the queue comes back from the append-only file
+            worker.send_signal(signal.SIGCONT)
+            assert whole.result(timeout=60).choices[0].text == expected
+            assert streamed.result(timeout=60) == expected
+    finally:
+        worker.send_signal(signal.SIGCONT)
+        stop(api), stop(worker)
+        server.stop()
