@@ -272,8 +272,8 @@ def main() -> None:
         service.processes += started
         print(redis_note, flush=True)
         service.start([sys.executable, "-m", "api"], env)
-        # The batch API's RQ worker (api/batch_worker.py), sending each batch's requests to this API.
-        service.start([sys.executable, "-m", "api.batch_worker"], {"API_URL": base_url, **env})
+        # The batch API's RQ worker (batch/__main__.py), sending each batch's requests to this API.
+        service.start([sys.executable, "-m", "batch"], {"API_URL": base_url, **env})
         worker_ports, first_port = [], Settings.from_env(env).metrics_port
         for i in range(args.workers):
             worker_env = dict(env)

@@ -6,7 +6,7 @@
   GET  /v1/batches/{id}             status, request_counts, output_file_id, error_file_id, times
   POST /v1/batches/{id}/cancel      stop sending its requests; what was answered is kept
 
-A batch is one RQ job on keys.BATCH_QUEUE, which `python -m api.batch_worker` runs (api/batch_job.py).
+A batch is one RQ job on keys.BATCH_QUEUE, which `python -m batch` runs (batch/job.py).
 """
 from __future__ import annotations
 
@@ -116,10 +116,10 @@ def blueprint(settings: Settings, client: redis.Redis) -> Blueprint:
                               code="invalid_value")
         batch_id = batches.create(input_file_id, endpoint, window, extra["requests"], metadata)
         try:
-            queue.enqueue_call("api.batch_job.run_batch", args=(batch_id,), job_id=batch_id,
+            queue.enqueue_call("batch.job.run_batch", args=(batch_id,), job_id=batch_id,
                                timeout=COMPLETION_WINDOWS[window] + 3600, result_ttl=RESULT_TTL_S,
                                failure_ttl=FAILURE_TTL_S, retry=Retry(max=RQ_RETRIES),
-                               on_failure=Callback("api.batch_job.on_failure"), description=f"batch {batch_id}")
+                               on_failure=Callback("batch.job.on_failure"), description=f"batch {batch_id}")
         except redis.RedisError:
             with contextlib.suppress(redis.RedisError):  # best effort: Redis is likely down
                 batches.move(batch_id, ("validating",), "failed")

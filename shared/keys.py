@@ -88,7 +88,7 @@ def cancel(job_id: str) -> str:
 
 # The batch API (api/batches.py): uploaded files, batch records, and the RQ queue batch jobs wait on.
 
-# RQ's own queue name (RQ keeps it under rq:queue:...): `python -m api.batch_worker` works it.
+# RQ's own queue name (RQ keeps it under rq:queue:...): `python -m batch` works it.
 BATCH_QUEUE = f"{PREFIX}-batches"
 
 

@@ -1,5 +1,5 @@
 """The batch API on the real service: a private redis-server, the API, a tiny-model worker and RQ's
-batch worker (`python -m api.batch_worker`), files in a directory both share (--files-dir).
+batch worker (`python -m batch`), files in a directory both share (--files-dir).
 
 The issue's bar: a batch of 50 requests completes with 50 answers in input order, while live
 players' requests, measured in the same test alone and then alongside the batch, keep a median
@@ -38,7 +38,7 @@ def service(tiny_model_dirs, tmp_path_factory):
         start(["api", "--port", str(port), "--redis-url", server.url, "--files-dir", files_dir], log_dir, "api"),
         start(["worker", "--model", tiny_model_dirs["llama"], "--dtype", "float32", "--wait", "5", "--batch", "8"],
               log_dir, "worker", REDIS_URL=server.url),
-        start(["api.batch_worker", "--redis-url", server.url, "--api-url", f"http://127.0.0.1:{port}/v1",
+        start(["batch", "--redis-url", server.url, "--api-url", f"http://127.0.0.1:{port}/v1",
                "--batch-concurrency", str(BATCH_CONCURRENCY), "--files-dir", files_dir], log_dir, "batch-worker"),
     ]
     try:

@@ -13,7 +13,7 @@ import pytest
 from rq import Queue
 
 from api.app import create_app
-from api.batch_job import BatchRun, Reply
+from batch.job import BatchRun, Reply
 from api.batch_store import BatchStore
 from api.file_store import FileStore
 from shared import keys
@@ -137,7 +137,7 @@ def test_a_batch_is_created_validating_and_queued_for_rq(api, fake_redis):
     assert batch["expires_at"] - batch["created_at"] == 24 * 3600 and batch["metadata"] == {"quest": "lore"}
     assert batch["output_file_id"] is None and batch["completed_at"] is None
     queued = Queue(keys.BATCH_QUEUE, connection=fake_redis).jobs
-    assert [(j.id, j.func_name, j.args) for j in queued] == [(batch["id"], "api.batch_job.run_batch", (batch["id"],))]
+    assert [(j.id, j.func_name, j.args) for j in queued] == [(batch["id"], "batch.job.run_batch", (batch["id"],))]
     assert api.get(f"/v1/batches/{batch['id']}").get_json() == batch
 
 

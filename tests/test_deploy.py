@@ -265,9 +265,9 @@ def test_compose_and_images_run_the_real_entry_points(compose):
 
 
 def test_the_api_imports_nothing_of_the_worker():
-    """Dockerfile.api copies api/ and shared/ only, and installs no torch."""
+    """Dockerfile.api copies api/, batch/ and shared/ only, and installs no torch."""
     copied = copied_folders(ROOT / "Dockerfile.api")
-    assert copied == ["api", "shared"]
+    assert copied == ["api", "batch", "shared"]
     pattern = re.compile(r"^\s*(?:import|from)\s+(torch|worker)\b", re.MULTILINE)
     offenders = [f"{path.relative_to(ROOT)}: {match.group(0).strip()}"
                  for folder in copied for path in sorted((ROOT / folder).rglob("*.py"))

@@ -221,7 +221,7 @@ class BatchRun:
         return ids
 
 
-# What the RQ worker runs. `configure` is called by api.batch_worker before it forks job processes.
+# What the RQ worker runs. `configure` is called by batch/__main__.py before it forks job processes.
 
 _settings: Optional[Settings] = None
 

@@ -1,4 +1,4 @@
-"""python -m api.batch_worker: RQ's worker on the batch queue; each job runs one batch (api/batch_job.py).
+"""python -m batch: RQ's worker on the batch queue; each job runs one batch (batch/job.py).
 
 Any number may run, on any machine that reaches Redis and the API: each batch is one RQ job, taken
 by one of them. A worker stopped with SIGTERM finishes its batch first (RQ's warm shutdown); one
@@ -11,7 +11,7 @@ import logging
 
 from rq import Queue, Worker
 
-from api import batch_job
+from batch import job
 from shared import keys
 from shared.redis_client import connect, masked
 from shared.settings import Settings
@@ -29,7 +29,7 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for chatty in ("httpx", "httpx2"):  # a line per request sent: the batch job logs what matters
         logging.getLogger(chatty).setLevel(logging.WARNING)
-    batch_job.configure(settings)  # before RQ forks a process per job, which inherits it
+    job.configure(settings)  # before RQ forks a process per job, which inherits it
     connection = connect(settings.redis_url)
     worker = Worker([Queue(keys.BATCH_QUEUE, connection=connection)], connection=connection,
                     maintenance_interval=MAINTENANCE_INTERVAL_S)
