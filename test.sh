@@ -17,7 +17,7 @@ if ! command -v docker-compose >/dev/null; then
     if [ "$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq --no-install-recommends docker-compose >/dev/null
     else sudo apt-get update -qq && sudo apt-get install -y -qq --no-install-recommends docker-compose >/dev/null; fi
 fi
-# tests/test_metrics.py runs a real Prometheus (Debian's, 2.42) against the API and the workers.
+# tests/test_metrics_processes.py runs a real Prometheus (Debian's, 2.42) against the API and the workers.
 # Without its recommends (node exporter and the like): only the server is wanted.
 if ! command -v prometheus >/dev/null; then
     echo "installing prometheus..."

@@ -2,14 +2,15 @@
 OpenAI's own Python client, so the whole path (HTTP -> gunicorn/Flask -> Redis -> worker -> Redis ->
 HTTP) is exercised the way a game would use it.
 
-One worker and one API serve most tests (module scope: the model loads once). Tests that stop or
-kill things (Redis down, SIGTERM) bring their own processes so they cannot break the shared ones.
+One worker and one API serve these tests (module scope: the model loads once): plain and streamed
+answers, stop strings, several choices, load, errors, a client that leaves, and jobs the worker
+cannot run or that a dead worker left behind. Tests that stop or kill things (Redis down, SIGTERM, a
+killed worker, a Redis restart) are in tests/test_integration_faults.py, with processes of their own.
 """
 from __future__ import annotations
 
 import http.client
 import json
-import signal
 import threading
 import time
 import urllib.error
@@ -24,7 +25,6 @@ from transformers import AutoTokenizer
 from shared import keys
 from shared.protocol import Final, Job, SamplingParams, decode_result
 from serve import free_port
-from tests.conftest import RedisServer
 from tests.processes import get_json, logs, make_client, models_served, start, stop, wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -383,134 +383,3 @@ def test_dead_workers_job_is_requeued_and_answered(stack, client, tiny_model_dir
                                                    extra_body={"ignore_eos": True}).choices[0].text
     assert r.llen(keys.processing("dead-1")) == 0
     assert not r.hexists(keys.WORKERS, "dead-1")
-
-
-# Redis down, no worker: fast 503s from an API of its own
-
-def test_no_worker_then_redis_down_give_fast_503(tmp_path):
-    server = RedisServer(str(tmp_path))
-    server.start()
-    port = free_port()
-    api = start(["api", "--port", str(port), "--redis-url", server.url], tmp_path, "api")
-    try:
-        wait_until(lambda: get_json(f"http://127.0.0.1:{port}/health")[0] == 200, [api], "/health")
-        client = make_client(port)
-
-        def fails_fast_with_503(expected_words: str):
-            began = time.monotonic()
-            with pytest.raises(openai.InternalServerError) as caught:
-                client.completions.create(model=MODEL, prompt="Once", max_tokens=2)
-            assert time.monotonic() - began < 3, "a 503 must come at once, not after retries"
-            assert caught.value.status_code == 503 and caught.value.code == "service_unavailable"
-            assert expected_words in caught.value.message
-
-        # An empty Redis: no worker has announced itself.
-        assert get_json(f"http://127.0.0.1:{port}/health")[1]["workers"] == 0
-        fails_fast_with_503("no worker is running")
-
-        server.stop()
-        fails_fast_with_503("Redis")
-        assert get_json(f"http://127.0.0.1:{port}/health")[0] == 503
-
-        # Redis back on the same port: the API reconnects by itself.
-        server.start()
-        wait_until(lambda: get_json(f"http://127.0.0.1:{port}/health")[0] == 200, [api], "/health again",
-                   timeout=10)
-    finally:
-        stop(api)
-        server.stop()
-
-
-# SIGTERM drains
-
-def test_sigterm_lets_the_worker_finish_its_request(stack, tiny_model_dirs, tmp_path):
-    # A worker of its own, under another model name, so the request cannot go to the shared worker.
-    name = "tiny-drain"
-    worker = start(["worker", "--model", tiny_model_dirs["llama"], "--model-name", name, "--dtype", "float32",
-                    "--batch", "4", "--wait", "5"], tmp_path, "drain-worker", REDIS_URL=stack.redis_server.url)
-    try:
-        wait_until(lambda: name in models_served(stack.port), [worker, stack.api], f"/v1/models to list {name}")
-        (worker_id,) = stack.worker_ids(name)
-        stream = make_client(stack.port).completions.create(
-            model=name, prompt="Once", temperature=0, max_tokens=120, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-        chunks = []
-        for chunk in stream:
-            if not chunks:
-                worker.send_signal(signal.SIGTERM)  # after the first piece of text: mid-request
-            chunks.append(chunk)
-        assert worker.wait(15) == 0, logs(worker)
-    finally:
-        stop(worker)
-    # The signal came while the request was held, and the request was still written to the end.
-    assert "stopping: finishing 1 request(s)" in logs(worker)
-    assert finish_reasons(chunks) == ["length"]
-    assert chunks[-1].usage.completion_tokens == 120
-    # A clean exit leaves nothing behind: no heartbeat, no registration, the model no longer listed.
-    assert not stack.redis.exists(keys.heartbeat(worker_id))
-    assert not stack.redis.hexists(keys.WORKERS, worker_id)
-    assert not stack.redis.exists(keys.processing(worker_id))
-    assert name not in models_served(stack.port)
-
-
-# A worker killed mid-stream
-
-def test_stream_survives_worker_killed_mid_job(stack, tiny_model_dirs, tmp_path):
-    # Two workers of their own for one model: the one holding the job dies, the other finishes it.
-    name = "tiny-crash"
-    pair = [start(["worker", "--model", tiny_model_dirs["llama"], "--model-name", name, "--dtype", "float32",
-                   "--batch", "4", "--wait", "5"], tmp_path, f"crash-worker-{i}", REDIS_URL=stack.redis_server.url)
-            for i in range(2)]
-    try:
-        wait_until(lambda: len(stack.worker_ids(name)) == 2, pair, f"two workers of {name}")
-        ids = {json.loads(stack.redis.get(keys.heartbeat(i)))["pid"]: i for i in stack.worker_ids(name)}
-        client = make_client(stack.port)
-        request = dict(model=name, prompt="Once", temperature=0, max_tokens=120, extra_body={"ignore_eos": True})
-        text, killed = "", None
-        for chunk in client.completions.create(stream=True, **request):
-            if killed is None:
-                job_id = chunk.id.removeprefix("cmpl-") + "-0"
-                for proc in pair:
-                    held = stack.redis.lrange(keys.processing(ids[proc.pid]), 0, -1)
-                    if any(job_id.encode() in raw for raw in held):
-                        proc.kill()  # SIGKILL: no drain, the job stays in its processing list
-                        killed = proc
-                if killed is None:
-                    pytest.skip("the job finished before it could be caught mid-way")
-            text += chunk.choices[0].text
-        finish = chunk.choices[0].finish_reason
-        # Greedy: the survivor writes the same text again, alone.
-        whole = client.completions.create(**request).choices[0].text
-    finally:
-        for proc in pair:
-            stop(proc)
-    assert killed.returncode == -signal.SIGKILL
-    assert finish == "length"
-    assert text == whole, "the streamed text is not the answer"
-
-
-# Redis restarted under a running worker
-
-def test_worker_outlives_a_redis_restart(tiny_model_dirs, tmp_path):
-    server = RedisServer(str(tmp_path))
-    server.start()
-    port = free_port()
-    worker = start(["worker", "--model", tiny_model_dirs["llama"], "--dtype", "float32"], tmp_path, "worker",
-                   REDIS_URL=server.url)
-    api = start(["api", "--port", str(port), "--redis-url", server.url], tmp_path, "api")
-    try:
-        wait_until(lambda: MODEL in models_served(port), [worker, api], "the worker")
-        server.stop()
-        time.sleep(2)  # longer than a heartbeat: the worker's loop and heartbeat both hit a dead Redis
-        server.start()  # empty: no heartbeat, no tokenizer, nothing
-        # The worker announces itself and stores its tokenizer again, and serves as before.
-        wait_until(lambda: MODEL in models_served(port), [worker, api], "the worker after the restart",
-                   timeout=15)
-        answer = make_client(port).completions.create(model=MODEL, prompt="Once", max_tokens=4,
-                                                      extra_body={"ignore_eos": True})
-        assert answer.usage.completion_tokens == 4
-        assert worker.poll() is None, logs(worker)
-        assert "Redis unreachable" in logs(worker)
-    finally:
-        stop(api), stop(worker)
-        server.stop()
