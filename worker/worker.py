@@ -24,6 +24,9 @@ log = logging.getLogger(__name__)
 
 IDLE_BLOCK_S = 0.5  # how long an idle worker blocks on the queue before it looks at its flags again
 REDIS_RETRY_S = 1.0  # pause before trying again when Redis is unreachable
+# A stopping worker whose Redis stays away this long leaves anyway: its jobs stay in its processing
+# list, and a live worker writes them again once Redis is back. Without this, SIGTERM never ends it.
+STOPPING_REDIS_WAIT_S = 30.0
 
 
 def resident_mb() -> int:
@@ -63,6 +66,7 @@ class Worker:
         self.queue.count_start()
         self.queue.heartbeat(self.info, self.settings.heartbeat_ttl_s)
         self._heartbeat.start()
+        redis_lost_since = None
         try:
             while not (self.stopping.is_set() and not self.engine.busy and not self._unpublished):
                 try:
@@ -71,8 +75,16 @@ class Worker:
                         self._step()
                     elif self._unpublished:
                         self._publish([])
+                    redis_lost_since = None
                 except redis.RedisError as exc:
                     # Decoding goes on; what could not be published is sent once Redis is back.
+                    redis_lost_since = redis_lost_since or time.monotonic()
+                    if self.stopping.is_set() and time.monotonic() - redis_lost_since > STOPPING_REDIS_WAIT_S:
+                        log.error("stopping, and Redis has been unreachable for %g s: leaving %d answer(s) "
+                                  "unsent (their jobs stay in this worker's processing list, for another "
+                                  "worker to write again)", STOPPING_REDIS_WAIT_S,
+                                  len(self._unpublished) + len(self.engine.sequences()))
+                        break
                     log.warning("Redis unreachable (%s): trying again in %g s", exc, REDIS_RETRY_S)
                     time.sleep(REDIS_RETRY_S)
         finally:
