@@ -204,8 +204,8 @@ class Service:
                 process.wait()
 
 
-# Settings a user may pass to serve.py: all of them but the test-only hook.
-SERVE_FLAGS = [f.name for f in fields(Settings) if f.name != "crash_on_prompt"]
+# Settings a user may pass to serve.py: all of them but the test-only hooks.
+SERVE_FLAGS = [f.name for f in fields(Settings) if f.name not in ("crash_on_prompt", "clock_skew_s")]
 PROMETHEUS_PORT = 9090
 
 

@@ -7,7 +7,6 @@ cap a request gets 429 with a Retry-After estimated from how fast workers have b
 from __future__ import annotations
 
 import math
-import time
 
 import redis
 
@@ -21,7 +20,8 @@ RETRY_STALLED_S = 10  # nothing taken lately (workers busy with long answers, or
 AUTO_CAP_PER_SLOT = 4  # --max-queue -1: this many waiting jobs per job the live workers hold at once
 
 # KEYS: the model's queues, most urgent first; the one to push onto; the wake list.
-# ARGV: cap (0: none), jobs the request needs, drain prefix, window, then the jobs (none: only look).
+# ARGV: cap (0: none), jobs the request needs, drain prefix, window, then the jobs (none: only look),
+# each with enqueued_at 0.0, which the script stamps.
 # Returns {accepted, jobs waiting before, jobs taken in the window}.
 _ADMIT = """
 local nq = #KEYS - 2
@@ -36,7 +36,15 @@ if cap > 0 and waiting + needed > cap then
   return {0, waiting, taken}
 end
 if #ARGV > 4 then
-  redis.call('RPUSH', KEYS[nq + 1], unpack(ARGV, 5))
+  -- Stamped here, in Redis' clock, which every host reads alike (Job.enqueued_at): the job is
+  -- built with 0.0, and a JSON string cannot hold the key's unescaped quotes, so this is the field.
+  local t = redis.call('TIME')
+  local stamp = '"enqueued_at":' .. t[1] .. string.format('.%06d', tonumber(t[2]))
+  local jobs = {}
+  for i = 5, #ARGV do
+    jobs[#jobs + 1] = (string.gsub(ARGV[i], '"enqueued_at":0%.0([,}])', stamp .. '%1', 1))
+  end
+  redis.call('RPUSH', KEYS[nq + 1], unpack(jobs))
   redis.call('LPUSH', KEYS[nq + 2], '1')
   redis.call('LTRIM', KEYS[nq + 2], 0, 63)
 end
@@ -62,9 +70,6 @@ class Admission:
     def push(self, jobs: list[Job], cap: int) -> None:
         """Queue the jobs, all or none: 429 if they would not fit under the cap."""
         model = jobs[0].model
-        now = time.time()  # the API's clock, as the deadline's: workers compare both with theirs
-        for job in jobs:
-            job.enqueued_at = now
         self._run(model, len(jobs), cap, [j.to_json() for j in jobs],
                   push_to=keys.queue(model, jobs[0].priority))
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import random
-import time
 import uuid
 from dataclasses import replace
 from typing import Optional
@@ -115,7 +114,7 @@ def create_app(settings: Optional[Settings] = None, client: Optional[redis.Redis
         broker.admission.check(req.model, req.n * (1 if chat else len(req.prompts)), cap)
         prompts = _tokenize(req, tokenizers.get(workers[0]), chat)
         request_id = uuid.uuid4().hex[:24]
-        jobs = _jobs(req, prompts, workers[0], request_id, time.time() + settings.request_timeout)
+        jobs = _jobs(req, prompts, workers[0], request_id, settings.request_timeout)
         prompt_tokens = sum(len(p) for p in prompts)
         shape = Shape(request_id, req.model, chat)
         pending = broker.submit(jobs, cap)
@@ -178,7 +177,7 @@ def _tokenize(req: CompletionRequest, tokenizer, chat: bool) -> list[list[int]]:
 
 
 def _jobs(req: CompletionRequest, prompts: list[list[int]], worker: WorkerInfo,
-          request_id: str, deadline: float) -> list[Job]:
+          request_id: str, timeout_s: float) -> list[Job]:
     jobs = []
     # Always a seed: a job written again after its worker died then writes the same text.
     base_seed = req.params.seed if req.params.seed is not None else random.getrandbits(48)
@@ -194,7 +193,7 @@ def _jobs(req: CompletionRequest, prompts: list[list[int]], worker: WorkerInfo,
         for choice in range(req.n):
             params = replace(req.params, max_tokens=max_tokens, seed=base_seed + choice)
             jobs.append(Job(id=f"{request_id}-{len(jobs)}", model=req.model, prompt_ids=prompt,
-                            params=params, deadline=deadline, stream=req.stream, priority=req.priority))
+                            params=params, timeout_s=timeout_s, stream=req.stream, priority=req.priority))
     return jobs
 
 

@@ -61,6 +61,8 @@ class Pending:
         self.jobs = jobs
         self._index = {keys.channel(j.id).encode(): i for i, j in enumerate(jobs)}
         self._open = set(range(len(jobs)))
+        # This host's own clock: the workers measure the same timeout in Redis' (Job.timeout_s).
+        self.deadline = time.monotonic() + jobs[0].timeout_s
         self._pubsub = broker.redis.pubsub()
         try:
             self._subscribe()
@@ -82,7 +84,7 @@ class Pending:
 
     def results(self) -> Iterator[tuple[int, Result]]:
         """(choice index, result) as they come, until every job has its Final or Failure."""
-        model, deadline = self.jobs[0].model, self.jobs[0].deadline
+        model, deadline = self.jobs[0].model, self.deadline
         next_look, alone_since, redis_lost_since = time.monotonic() + LOOK_EVERY_S, None, None
         while self._open:
             try:
@@ -103,11 +105,11 @@ class Pending:
                 # The worker holding the job goes on writing and publishes once Redis is back; the
                 # final answer is stored, so nothing said meanwhile is lost to a whole answer.
                 redis_lost_since = redis_lost_since or time.monotonic()
-                if time.monotonic() - redis_lost_since > REDIS_OUTAGE_S or time.time() > deadline:
+                if time.monotonic() - redis_lost_since > REDIS_OUTAGE_S or time.monotonic() > deadline:
                     raise
                 time.sleep(REDIS_RETRY_S)
                 continue
-            if time.time() > deadline:
+            if time.monotonic() > deadline:
                 raise ApiError(504, "the request timed out before its answer was written", code="timeout")
             # A draining worker still counts: it finishes what it holds. With none at all, the
             # jobs wait in the queue for a restarted worker, for a grace period.
@@ -147,7 +149,7 @@ class Pending:
             if self._open:
                 pipe = self.broker.redis.pipeline(transaction=False)
                 for i in self._open:
-                    pipe.set(keys.cancel(self.jobs[i].id), 1, ex=max(60, int(self.jobs[i].deadline - time.time())))
+                    pipe.set(keys.cancel(self.jobs[i].id), 1, ex=max(60, int(self.deadline - time.monotonic())))
                 pipe.execute()
         finally:
             self._pubsub.close()

@@ -147,7 +147,10 @@ class QueueCollector:
 
     def collect(self):
         try:
-            families = self._read(time.time())
+            # Redis' clock, as the jobs' enqueued_at and the workers' heartbeat times are: no
+            # host's own clock is compared with another's.
+            seconds, microseconds = self.redis.time()
+            families = self._read(seconds + microseconds / 1e6)
         except redis.RedisError as exc:  # the rest of /metrics still answers (errors_total shows the 503s)
             log.warning("/metrics: Redis is not readable, no queue metrics: %s", exc)
             return []

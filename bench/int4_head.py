@@ -23,7 +23,7 @@ from worker.model_loader import load
 
 
 def write(engine, prompts, tokens: int) -> list[list[int]]:
-    seqs = [engine.add(Job(id=f"h{i}", model="m", prompt_ids=p, deadline=time.time() + 3600,
+    seqs = [engine.add(Job(id=f"h{i}", model="m", prompt_ids=p, timeout_s=3600,
                            params=SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)))
             for i, p in enumerate(prompts)]
     while engine.busy:
@@ -32,7 +32,7 @@ def write(engine, prompts, tokens: int) -> list[list[int]]:
 
 
 def lone_step_ms(engine, prompt, steps: int = 40) -> float:
-    engine.add(Job(id="lone", model="m", prompt_ids=prompt, deadline=time.time() + 3600,
+    engine.add(Job(id="lone", model="m", prompt_ids=prompt, timeout_s=3600,
                    params=SamplingParams(max_tokens=steps + 10, temperature=0, ignore_eos=True)))
     engine.step()
     times = []

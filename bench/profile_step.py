@@ -29,7 +29,7 @@ def filled_engine(loaded, settings: Settings, batch: int, context: int):
     for i in range(batch):
         engine.add(Job(id=f"p{i}", model="m", prompt_ids=[*prompt, i % 1000 + 100],
                        params=SamplingParams(max_tokens=context + 1000, temperature=0, ignore_eos=True),
-                       deadline=time.time() + 3600))
+                       timeout_s=3600))
     while min((r.computed for r in engine.scheduler.running), default=0) < context:
         engine.step()
     return engine

@@ -37,10 +37,13 @@ class Job:
     model: str
     prompt_ids: list[int]
     params: SamplingParams
-    deadline: float  # unix time after which nobody waits for the answer
+    # Seconds from its queueing after which nobody waits for the answer. A duration, not a time:
+    # hosts' clocks differ, so a worker measures the job's age in Redis' clock (`enqueued_at`).
+    timeout_s: float
     stream: bool = False  # publish text as it is written; otherwise only the final answer
-    # Unix time the API queued it (its own clock, as `deadline`): the queue's oldest-job age and the
-    # workers' queue wait. 0: not stamped (a job from an older API).
+    # When it was queued, in Redis' clock (TIME, unix seconds): the API's admission script writes it
+    # in place of the 0.0 as it pushes the job. Its age, against Redis' clock again, gives the
+    # deadline, the workers' queue wait and the queue's oldest-job age. 0: not stamped.
     enqueued_at: float = 0.0
     # Last, always: worker/job_queue.py's Lua reads it from the end of the JSON (and `id` from its start).
     priority: int = PRIORITY_DEFAULT

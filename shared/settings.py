@@ -86,6 +86,8 @@ class Settings:
                                     "(0: none)")
     crash_on_prompt: str = _setting("", "test only, off by default: a worker that takes a job whose "
                                         "prompt is these comma-separated token ids dies at once (SIGKILL)")
+    clock_skew_s: float = _setting(0.0, "test only, off by default: seconds a worker adds to every "
+                                        "wall-clock reading it makes, as if its host's clock were off")
     heartbeat_s: float = _setting(1.0, "seconds between worker heartbeats")
     heartbeat_ttl_s: float = _setting(3.0, "seconds without a heartbeat after which a worker is dead")
     answer_ttl_s: int = _setting(300, "seconds a final answer stays readable in Redis")

@@ -3,7 +3,6 @@ when to come back. On fakeredis and on a real redis-server; the whole stack is i
 test_reliability.py."""
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -25,7 +24,7 @@ def client(request):
 
 def _jobs(n: int, priority: int = 0, tag: str = "j") -> list[Job]:
     return [Job(id=f"{tag}-{i}", model=MODEL, prompt_ids=[5, 6], params=SamplingParams(),
-                deadline=time.time() + 60, priority=priority) for i in range(n)]
+                timeout_s=60, priority=priority) for i in range(n)]
 
 
 def _waiting(client) -> int:

@@ -1,7 +1,6 @@
 """The seed's test: greedy decoding in a padded batch writes exactly what each prompt writes alone."""
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ def _jobs(vocab: int) -> list[Job]:
     prompts = [torch.randint(10, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
     # ignore_eos: every row writes all its tokens, so a difference anywhere is seen.
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    return [Job(id=f"j{i}", model="m", prompt_ids=p, params=params, deadline=time.time() + 60)
+    return [Job(id=f"j{i}", model="m", prompt_ids=p, params=params, timeout_s=60)
             for i, p in enumerate(prompts)]
 
 

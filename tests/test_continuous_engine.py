@@ -7,7 +7,6 @@ Also with a cache small enough to force preemption, and with shared prefixes (pr
 from __future__ import annotations
 
 import random
-import time
 from dataclasses import replace
 
 import pytest
@@ -41,7 +40,7 @@ def make_jobs(vocab: int, count: int, seed: int, shared_prefix: int = 0) -> list
         own = [rng.randrange(10, vocab) for _ in range(rng.randint(1, 40))]
         params = SamplingParams(max_tokens=rng.randint(1, 30), temperature=0, ignore_eos=True)
         jobs.append((rng.randint(0, 60), Job(id=f"j{i}", model="m", prompt_ids=prefix + own,
-                                             params=params, deadline=time.time() + 600)))
+                                             params=params, timeout_s=600)))
     return sorted(jobs, key=lambda item: item[0])
 
 

@@ -331,7 +331,7 @@ def test_client_gone_mid_stream_cancels_its_job(stack, client):
 def test_a_job_the_model_cannot_run_fails_alone(stack, client):
     r = stack.redis
     bad = Job(id=f"bad-{uuid.uuid4().hex}", model=MODEL, prompt_ids=[10**6],
-              params=SamplingParams(max_tokens=4), deadline=time.time() + 60)
+              params=SamplingParams(max_tokens=4), timeout_s=60)
     pubsub = r.pubsub()
     pubsub.subscribe(keys.channel(bad.id))
     assert pubsub.get_message(timeout=5)["type"] == "subscribe"
@@ -355,7 +355,7 @@ def test_dead_workers_job_is_requeued_and_answered(stack, client, tiny_model_dir
     prompt = "Once upon a time"
     ids = AutoTokenizer.from_pretrained(tiny_model_dirs["llama"])(prompt).input_ids
     job = Job(id=f"requeue-{uuid.uuid4().hex[:8]}", model=MODEL, prompt_ids=ids,
-              params=SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), deadline=time.time() + 60)
+              params=SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), timeout_s=60)
     pubsub = r.pubsub()
     pubsub.subscribe(keys.channel(job.id))  # first: pub/sub drops what nobody listens for
     assert pubsub.get_message(timeout=5)["type"] == "subscribe"

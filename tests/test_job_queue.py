@@ -25,7 +25,7 @@ def client(request):
 
 def _job(i: int, stream: bool = False, priority: int = 0) -> Job:
     return Job(id=f"job-{i}", model=MODEL, prompt_ids=[5, 6, 7], params=SamplingParams(max_tokens=2),
-               deadline=time.time() + 60, stream=stream, priority=priority)
+               timeout_s=60, stream=stream, priority=priority)
 
 
 def _push(client, *ids: int, stream: bool = False, priority: int = 0) -> None:

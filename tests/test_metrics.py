@@ -155,7 +155,7 @@ def test_an_error_inside_a_stream_is_counted_by_its_code(fake_redis):
 
 def _queue_job(client, model: str, priority: int, enqueued_at: float) -> None:
     job = Job(id=f"job-{priority}-{enqueued_at}", model=model, prompt_ids=[1, 2], params=SamplingParams(),
-              deadline=time.time() + 60, enqueued_at=enqueued_at, priority=priority)
+              timeout_s=60, enqueued_at=enqueued_at, priority=priority)
     client.rpush(keys.queue(model, priority), job.to_json())
 
 
@@ -221,7 +221,7 @@ def _shared_prefix_jobs(count: int) -> list[Job]:
     prefix = list(range(10, 42))  # two blocks of 16: the second request finds them in the cache
     return [Job(id=f"j{i}", model="tiny", prompt_ids=prefix + [50 + i],
                 params=SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
-                deadline=time.time() + 60, enqueued_at=time.time() - 0.5) for i in range(count)]
+                timeout_s=60, enqueued_at=time.time() - 0.5) for i in range(count)]
 
 
 def test_the_continuous_engines_numbers_reach_the_workers_metrics(tiny_llama):
@@ -274,8 +274,9 @@ def test_the_static_engine_reports_what_it_has(tiny_llama):
 def test_worker_histograms_observe_queue_wait_per_token_time_and_batches():
     observed = WorkerMetrics("histograms")
     job = _shared_prefix_jobs(1)[0]
-    observed.taken(job)
-    observed.taken(Job(id="old-api", model="m", prompt_ids=[1], params=SamplingParams(), deadline=0))
+    observed.taken(job, redis_now=time.time())  # the test's Redis would be on this host
+    observed.taken(Job(id="unstamped", model="m", prompt_ids=[1], params=SamplingParams(), timeout_s=60),
+                   redis_now=time.time())
     samples = parse(generate_latest().decode())
     assert value(samples, names.QUEUE_WAIT + "_count", model="histograms") == 1  # unstamped: not observed
     assert 0.5 <= value(samples, names.QUEUE_WAIT + "_sum", model="histograms") < 5

@@ -20,7 +20,7 @@ class NoTokenizer:
 def request(prompt_len: int, max_tokens: int = 50) -> Request:
     job = Job(id=f"r{time.monotonic_ns()}", model="m", prompt_ids=list(range(10, 10 + prompt_len)),
               params=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
-              deadline=time.time() + 60)
+              timeout_s=60)
     return Request(Sequence(job, NoTokenizer(), frozenset()))
 
 

@@ -1,7 +1,6 @@
 """A sequence's text: incremental decoding, stop strings held back and cut, end-of-text, max_tokens."""
 from __future__ import annotations
 
-import time
 
 import pytest
 
@@ -19,7 +18,7 @@ def tokenizer():
 
 def _seq(tokenizer, stream: bool = True, **params) -> Sequence:
     job = Job(id="j", model="m", prompt_ids=tokenizer("Tell me").input_ids,
-              params=SamplingParams(**{"max_tokens": 100, **params}), deadline=time.time() + 60,
+              params=SamplingParams(**{"max_tokens": 100, **params}), timeout_s=60,
               stream=stream)
     return Sequence(job, tokenizer, frozenset({tokenizer.eos_token_id}))
 

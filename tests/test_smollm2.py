@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import re
-import time
 
 import pytest
 import torch
@@ -31,7 +30,7 @@ def _chat_job(loaded, job_id: str, request: str, max_tokens: int) -> Job:
                                                 add_generation_prompt=True)
     ids = loaded.tokenizer(text, add_special_tokens=False).input_ids
     return Job(id=job_id, model=loaded.name, prompt_ids=ids,
-               params=SamplingParams(max_tokens=max_tokens, temperature=0), deadline=time.time() + 300)
+               params=SamplingParams(max_tokens=max_tokens, temperature=0), timeout_s=300)
 
 
 def _run(loaded, jobs):

@@ -13,7 +13,7 @@ import torch
 from shared.protocol import WorkerInfo
 from shared.redis_client import connect, explain, masked
 from shared.settings import Settings
-from worker import metrics, model_loader
+from worker import clock, metrics, model_loader
 from worker.continuous import engine as continuous
 from worker.continuous.scheduler import POLICIES
 from worker.job_queue import JobQueue
@@ -57,7 +57,8 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     settings = Settings.parse(argv, FLAGS, "Storyteller model worker")
     check(settings)
-    started = time.time()
+    clock.skew_s = settings.clock_skew_s
+    started = time.monotonic()
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     client = connect(settings.redis_url, socket_connect_timeout=5)
@@ -77,7 +78,7 @@ def main(argv=None) -> None:
         id=worker_id, model=loaded.name, context_window=loaded.context_window, engine=engine.name,
         batch=engine.capacity, device=str(loaded.device), dtype=str(loaded.dtype).removeprefix("torch."),
         tokenizer_digest=model_loader.digest(files),
-        pid=os.getpid(), host=socket.gethostname(), started=time.time())
+        pid=os.getpid(), host=socket.gethostname(), started=clock.wall())
     worker = Worker(queue, engine, info, settings)
     worker.install_signal_handlers()
     if settings.metrics_port:
@@ -85,7 +86,7 @@ def main(argv=None) -> None:
                                                                      queue.crashed))
     logging.info("serving %s (%s, %s, context %d) on the %s engine, up to %d requests at once; "
                  "ready %.1f s after start", info.model, info.device, info.dtype, info.context_window,
-                 engine.name, engine.capacity, time.time() - started)
+                 engine.name, engine.capacity, time.monotonic() - started)
     worker.run()
 
 

@@ -16,6 +16,7 @@ import redis
 
 from shared import keys
 from shared.protocol import Failure, Job, WorkerInfo, encode_result
+from worker.clock import RedisClock
 from worker.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,7 @@ class JobQueue:
         self.requeued: Counter[str] = Counter()
         self.crashed: Counter[str] = Counter()
         self._tokenizer_files: dict[str, bytes] = {}
+        self.clock = RedisClock()  # synced by each heartbeat
 
     # Taking jobs
 
@@ -217,10 +219,17 @@ class JobQueue:
 
     # Liveness
 
+    def sync_clock(self) -> float:
+        """Measure Redis' clock against this host's (`self.clock`); returns Redis' time."""
+        sent = time.monotonic()
+        seconds, microseconds = self.redis.time()
+        self.clock.sync(seconds + microseconds / 1e6, sent, time.monotonic())
+        return self.clock.now()
+
     def heartbeat(self, info: WorkerInfo, ttl_s: float) -> None:
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(keys.WORKERS, self.worker_id, self.model)
-        pipe.zadd(keys.MODELS, {self.model: time.time()})
+        pipe.zadd(keys.MODELS, {self.model: self.sync_clock()})
         pipe.set(keys.heartbeat(self.worker_id), info.to_json(), px=int(ttl_s * 1000))
         pipe.exists(keys.tokenizer(self.model))
         tokenizer_stored = pipe.execute()[-1]

@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from shared import metrics as names
 from shared.protocol import Job
+from worker import clock
 from worker.engine import Engine
 from worker.sequence import Sequence
 
@@ -28,7 +29,7 @@ TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 QUEUE_WAIT = Histogram(names.QUEUE_WAIT, "From a job's queueing by the API to its taking by a worker "
-                       "(the two machines' clocks)", ["model"], buckets=WAIT_BUCKETS)
+                       "(both in Redis' clock)", ["model"], buckets=WAIT_BUCKETS)
 TIME_PER_OUTPUT_TOKEN = Histogram(names.TIME_PER_OUTPUT_TOKEN, "A finished job's time from its first "
                                   "token to its last, per token after the first", ["model"],
                                   buckets=TOKEN_BUCKETS)
@@ -45,9 +46,11 @@ class WorkerMetrics:
         self._per_token = TIME_PER_OUTPUT_TOKEN.labels(model)
         self._batch = BATCH_SIZE.labels(model)
 
-    def taken(self, job: Job) -> None:
-        if job.enqueued_at > 0:  # an older API leaves it 0; clocks a little apart give < 0
-            self._wait.observe(max(0.0, time.time() - job.enqueued_at))
+    def taken(self, job: Job, redis_now: float) -> None:
+        """`redis_now`: Redis' time at its taking, the clock its enqueued_at was read from."""
+        waited = clock.queue_wait(job.enqueued_at, redis_now)
+        if waited is not None:
+            self._wait.observe(waited)
 
     def stepped(self, batch: int) -> None:
         if batch:

@@ -15,6 +15,7 @@ import redis
 
 from shared.protocol import WorkerInfo
 from shared.settings import Settings
+from worker import clock
 from worker.engine import Engine
 from worker.job_queue import JobQueue
 from worker.metrics import WorkerMetrics
@@ -102,10 +103,11 @@ class Worker:
             return
         # A busy engine must not wait for Redis: jobs are taken between steps, whatever is there.
         block, fill = (0, 0) if self.engine.busy else (IDLE_BLOCK_S, self.settings.wait_ms / 1000)
-        now = time.time()
-        for job in self.queue.take(room, fill, block, alone_ok=not self.engine.busy):
-            self.metrics.taken(job)
-            if job.deadline < now:  # nobody is waiting for it any more
+        taken = self.queue.take(room, fill, block, alone_ok=not self.engine.busy)
+        now = self.queue.clock.now()  # Redis' clock, as the jobs' enqueued_at: no host's own
+        for job in taken:
+            self.metrics.taken(job, now)
+            if clock.expired(job.enqueued_at, job.timeout_s, now):  # nobody is waiting for it any more
                 self.queue.fail([job.id], "the request's deadline passed before it was decoded", "timeout")
                 continue
             if self._crash_on == job.prompt_ids:  # the test hook: die as a crashing job would make us
@@ -123,9 +125,9 @@ class Worker:
     def _step(self) -> None:
         held = self.engine.sequences()
         gone = self.queue.cancelled([s.id for s in held])
-        now = time.time()
+        now = self.queue.clock.now()
         for seq in held:
-            if seq.id in gone or seq.job.deadline < now:
+            if seq.id in gone or clock.expired(seq.job.enqueued_at, seq.job.timeout_s, now):
                 seq.cancel()
         try:
             changed = self.engine.step()
