@@ -5,9 +5,12 @@ A request's life in Redis:
          LPUSH  wake(model)                   and a token that wakes an idle worker
   worker LMOVE  queue(model, p) -> processing(worker_id)   reliable pop, most urgent queue first (Lua):
                                               a dead worker's jobs stay visible
+         SET    lease(job_id) worker_id       in the same script: who may answer the job
   worker PUBLISH channel(job_id)              text as it is written, then the final answer
   worker SET    answer(job_id) EX ...         the final answer again, for a subscriber that missed it
   worker LREM   processing(worker_id)         the job is done
+                                              (these three in one Lua script, only while the lease
+                                              still names this worker)
   api    SET    cancel(job_id)                the client went away: stop decoding it
 """
 
@@ -60,6 +63,13 @@ def attempts(job_id: str) -> str:
 def rate(key_digest: str, minute: int) -> str:
     """Requests made with one API key (by its digest, never the key) during one minute."""
     return f"{PREFIX}:rate:{key_digest}:{minute}"
+
+
+def lease(job_id: str) -> str:
+    """The id of the worker that holds the job: only it may publish or remove it. A worker declared
+    dead loses it when its jobs are put back, so one whose link to Redis comes back publishes nothing
+    for them (worker/job_queue.py's scripts check it)."""
+    return f"{PREFIX}:lease:{job_id}"
 
 
 def processing(worker_id: str) -> str:

@@ -3,6 +3,10 @@
 Jobs move with BLMOVE from the model's queue into this worker's own processing list, and leave it
 only once their answer is published; a worker that dies leaves its jobs there for another worker
 to put back (`requeue_dead_workers`).
+
+A worker that is only cut off from Redis looks dead too, and its jobs go to others; each job's lease
+(keys.lease: the id of the worker that took it) tells it, once its link is back, which jobs are no
+longer its own: publishing checks the lease in the same script, so it sends nothing for them.
 """
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import json
 import logging
 import time
 from collections import Counter
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 import redis
 
@@ -26,12 +30,18 @@ STAND_IN_POLL_S = 0.05
 FILL_POLL_S = 0.001  # how often a filling batch looks for late arrivals
 DRAINED_TTL_S = 120  # the per-second counts of jobs taken, which the API reads as a drain rate
 ATTEMPTS_TTL_S = 24 * 3600
+# Longer than any job lives (a request waits --request-timeout, 300 s by default), so a lease never
+# expires under a worker that is still writing; finished or put back, the job's lease is deleted.
+LEASE_TTL_S = 24 * 3600
+# The finish reason of a sequence whose job another worker now holds: never published again.
+LOST = "lost"
 
 # Move up to ARGV[1] jobs, most urgent queue first and FIFO within one, into this worker's
 # processing list, in one atomic step. A job on its last retry (ARGV[3] > 0 workers died holding
 # it) is taken only alone (ARGV[2] = 1: this worker holds nothing) and then nothing with it, so
 # that if it kills this worker too, it alone is to blame; otherwise taking stops before it, so
 # priority order holds.
+# Each job taken gets a lease naming this worker (ARGV[8]).
 # KEYS: the model's queues, most urgent first, then the processing list.
 # Returns {1 if the one job taken must run alone, the jobs}.
 _TAKE = """
@@ -39,6 +49,10 @@ local nq = #KEYS - 1
 local processing = KEYS[nq + 1]
 local limit, alone_ok, last_retry = tonumber(ARGV[1]), ARGV[2] == '1', tonumber(ARGV[3])
 local taken, isolated = {}, 0
+local function lease(raw)
+  local id = string.match(raw, '^{"id":"([^"]*)"')
+  if id then redis.call('SET', ARGV[7] .. id, ARGV[8], 'EX', tonumber(ARGV[9])) end
+end
 for i = 1, nq do
   while #taken < limit do
     local raw = redis.call('LINDEX', KEYS[i], 0)
@@ -48,12 +62,14 @@ for i = 1, nq do
     if last_retry > 0 and tries >= last_retry then
       if alone_ok and #taken == 0 then
         redis.call('LMOVE', KEYS[i], processing, 'LEFT', 'RIGHT')
+        lease(raw)
         taken[1], isolated = raw, 1
       end
       limit = 0  -- nothing more now: it runs alone, or waits for a worker that holds nothing
       break
     end
     redis.call('LMOVE', KEYS[i], processing, 'LEFT', 'RIGHT')
+    lease(raw)
     taken[#taken + 1] = raw
   end
 end
@@ -67,15 +83,21 @@ return {isolated, taken}
 
 # Put a dead worker's jobs back at the front of their queues, newest first so the oldest ends up
 # first in line, counting the death for each; a job that has already had its ARGV[2] retries is
-# answered with ARGV[1] (a Failure) instead. KEYS: the dead worker's processing list, the model's wake list.
-# ARGV: the failure, max attempts, then the key prefixes. Returns {jobs requeued, jobs failed}.
+# answered with ARGV[1] (a Failure) instead. Either way the job's lease goes: should the worker only
+# have been cut off, it publishes nothing more for it. The heartbeat is checked here, not before, and
+# the worker struck off in the same step: a worker whose heartbeat comes back meanwhile keeps its jobs.
+# KEYS: the worker's processing list, the model's wake list, the worker's heartbeat, the worker set.
+# ARGV: the failure, max attempts, the key prefixes, the worker's id.
+# Returns {-1 if the worker is alive, else jobs requeued; jobs failed}.
 _REQUEUE = """
+if redis.call('EXISTS', KEYS[3]) == 1 then return {-1, 0} end
 local requeued, failed = 0, 0
 while true do
   local raw = redis.call('RPOP', KEYS[1])
   if not raw then break end
   local id = string.match(raw, '^{"id":"([^"]*)"') or ''
   local priority = string.match(raw, '"priority":(-?%d+)}$') or '0'
+  redis.call('DEL', ARGV[9] .. id)
   local tries = redis.call('INCR', ARGV[3] .. id)
   redis.call('EXPIRE', ARGV[3] .. id, tonumber(ARGV[7]))
   if tries > tonumber(ARGV[2]) then
@@ -88,8 +110,42 @@ while true do
   end
 end
 if requeued > 0 then redis.call('LPUSH', KEYS[2], '1') end
+redis.call('HDEL', KEYS[4], ARGV[10])
 return {requeued, failed}
 """
+
+# A step's results, for jobs whose lease still names this worker (ARGV[1]): publish the new text,
+# store and publish the last message, take the job out of the processing list (KEYS[1]) and end its
+# lease. A job whose lease is gone or names another worker gets nothing: it is returned, lost.
+# ARGV: the worker's id, the lease, channel and answer prefixes, the answer's TTL, then four per job:
+# its id, its new text ('' none), its last message ('' none), its JSON to remove ('' not done).
+_PUBLISH = """
+local me, lease, channel, answer, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
+local lost = {}
+for i = 6, #ARGV, 4 do
+  local id, text, last, raw = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+  if redis.call('GET', lease .. id) ~= me then
+    lost[#lost + 1] = id
+  else
+    if text ~= '' then redis.call('PUBLISH', channel .. id, text) end
+    if last ~= '' then
+      -- Stored before it is published, so a subscriber that missed the message can still read it.
+      redis.call('SET', answer .. id, last, 'EX', ttl)
+      redis.call('PUBLISH', channel .. id, last)
+    end
+    if raw ~= '' then
+      redis.call('LREM', KEYS[1], 1, raw)
+      redis.call('DEL', lease .. id)
+    end
+  end
+end
+return lost
+"""
+
+
+class Published(NamedTuple):
+    finished: list[Sequence]  # answered, and done
+    lost: list[Sequence]  # another worker holds their jobs now: cancelled, nothing was sent
 
 
 class JobQueue:
@@ -105,6 +161,8 @@ class JobQueue:
         self._processing = keys.processing(worker_id)
         self._take_script = client.register_script(_TAKE)
         self._requeue_script = client.register_script(_REQUEUE)
+        self._publish_script = client.register_script(_PUBLISH)
+        self._registered = False  # a heartbeat has put this worker in keys.WORKERS
         self._raw: dict[str, bytes] = {}  # job id -> its exact JSON, which LREM needs
         # Dead workers' jobs this worker put back / failed after max_attempts, by model (/metrics).
         self.requeued: Counter[str] = Counter()
@@ -141,7 +199,8 @@ class JobQueue:
         isolated, raws = self._take_script(
             keys=[*keys.queues(self.model), self._processing],
             args=[limit, int(alone_ok), self.max_attempts, keys.attempts(""),
-                  keys.drained_prefix(self.model), DRAINED_TTL_S])
+                  keys.drained_prefix(self.model), DRAINED_TTL_S, keys.lease(""), self.worker_id,
+                  LEASE_TTL_S])
         if isolated:
             self.isolated.add(_job_id(raws[0]))
         return raws
@@ -165,50 +224,64 @@ class JobQueue:
 
     # Results
 
-    def publish(self, seqs: Iterable[Sequence]) -> list[Sequence]:
+    def publish(self, seqs: Iterable[Sequence], check: bool = False) -> Published:
         """New text of each sequence; for finished ones the final answer, and the job is done.
-        Returns the finished ones.
+        Sequences whose job another worker holds now (this one was declared dead while cut off) are
+        cancelled (finish reason LOST) and nothing is sent for them, now or later. `check`: also
+        look at the leases of sequences with nothing to send (otherwise, so that a step of jobs that
+        do not stream costs no round trip, they are not sent to Redis).
 
         All in one round trip. If Redis fails, nothing is marked as sent: calling again with the
         same sequences sends it all again.
         """
-        pipe = self.redis.pipeline(transaction=False)
-        deltas, done, finished = [], [], []
+        entries, sending = [], []
         for seq in seqs:
+            if seq.finish_reason == LOST:  # found lost before: nothing more is sent for it
+                continue
             delta = seq.delta() if seq.job.stream else None
+            last = encode_result(seq.final()) if seq.finish_reason in FINISHED_NORMALLY else ""
+            raw = self._raw.get(seq.id, b"") if seq.finished else b""
+            if delta is not None or last or raw or check:
+                entries += [seq.id, encode_result(delta) if delta is not None else "", last, raw]
+            sending.append((seq, delta))
+        lost_ids = {_text(i) for i in self._run_publish(entries)}
+        published = Published([], [])
+        for seq, delta in sending:
+            if seq.id in lost_ids:
+                seq.cancel(LOST)
+                self._forget(seq.id)
+                published.lost.append(seq)
+                continue
             if delta is not None:
-                pipe.publish(keys.channel(seq.id), encode_result(delta))
-                deltas.append((seq, delta))
+                seq.sent(delta)
             if seq.finished:
-                if seq.finish_reason in FINISHED_NORMALLY:
-                    self._send_last(pipe, seq.id, encode_result(seq.final()))
-                done.append(seq.id)
-                finished.append(seq)
-        self._remove(pipe, done)
-        for seq, delta in deltas:
-            seq.sent(delta)
-        return finished
+                self._forget(seq.id)
+                published.finished.append(seq)
+        return published
 
-    def fail(self, job_ids: list[str], message: str, code: str = "worker_error") -> None:
-        pipe = self.redis.pipeline(transaction=False)
+    def fail(self, job_ids: list[str], message: str, code: str = "worker_error") -> set[str]:
+        """Answer the jobs with a Failure, and they are done; returns those that were lost (another
+        worker holds them now: nothing was sent for them)."""
+        failure = encode_result(Failure(message=message, code=code))
+        entries = []
         for job_id in job_ids:
-            self._send_last(pipe, job_id, encode_result(Failure(message=message, code=code)))
-        self._remove(pipe, job_ids)
+            entries += [job_id, "", failure, self._raw.get(job_id, b"")]
+        lost = {_text(i) for i in self._run_publish(entries)}
+        for job_id in job_ids:
+            self._forget(job_id)
+        return lost
 
-    def _send_last(self, pipe, job_id: str, message: str) -> None:
-        # Stored before it is published, so a subscriber that missed the message can still read it.
-        pipe.set(keys.answer(job_id), message, ex=self.answer_ttl_s)
-        pipe.publish(keys.channel(job_id), message)
+    def _run_publish(self, entries: list) -> list:
+        if not entries:
+            return []
+        return self._publish_script(
+            keys=[self._processing],
+            args=[self.worker_id, keys.lease(""), keys.channel(""), keys.answer(""), self.answer_ttl_s,
+                  *entries])
 
-    def _remove(self, pipe, job_ids: list[str]) -> None:
-        """Take the jobs out of the processing list, with the rest of the pipeline, and run it."""
-        for job_id in job_ids:
-            if job_id in self._raw:
-                pipe.lrem(self._processing, 1, self._raw[job_id])
-        pipe.execute()
-        for job_id in job_ids:
-            self._raw.pop(job_id, None)
-            self.isolated.discard(job_id)
+    def _forget(self, job_id: str) -> None:
+        self._raw.pop(job_id, None)
+        self.isolated.discard(job_id)
 
     def cancelled(self, job_ids: list[str]) -> set[str]:
         """Jobs whose client went away."""
@@ -226,15 +299,22 @@ class JobQueue:
         self.clock.sync(seconds + microseconds / 1e6, sent, time.monotonic())
         return self.clock.now()
 
-    def heartbeat(self, info: WorkerInfo, ttl_s: float) -> None:
-        pipe = self.redis.pipeline(transaction=False)
+    def heartbeat(self, info: WorkerInfo, ttl_s: float) -> bool:
+        """Announce this worker for another `ttl_s`. True if it had been struck off meanwhile: it was
+        declared dead (cut off from Redis past its heartbeat's life), and the jobs it held went back
+        to the queue; their leases tell which (`publish(..., check=True)`)."""
+        # One transaction: `requeue_dead_workers` sees this worker either struck off or alive again,
+        # never registered without a heartbeat.
+        pipe = self.redis.pipeline(transaction=True)
         pipe.hset(keys.WORKERS, self.worker_id, self.model)
         pipe.zadd(keys.MODELS, {self.model: self.sync_clock()})
         pipe.set(keys.heartbeat(self.worker_id), info.to_json(), px=int(ttl_s * 1000))
         pipe.exists(keys.tokenizer(self.model))
-        tokenizer_stored = pipe.execute()[-1]
+        added, *_, tokenizer_stored = pipe.execute()
         if not tokenizer_stored and self._tokenizer_files:  # Redis restarted empty
             self.store_tokenizer(self._tokenizer_files)
+        struck_off, self._registered = bool(added) and self._registered, True
+        return struck_off
 
     def store_tokenizer(self, files: dict[str, bytes]) -> None:
         self._tokenizer_files = files
@@ -263,13 +343,15 @@ class JobQueue:
                     f"it was not tried again", code="worker_crashed"))
         for worker_id, model in self.redis.hgetall(keys.WORKERS).items():
             worker_id, model = worker_id.decode(), model.decode()
-            if self.redis.exists(keys.heartbeat(worker_id)):
+            if self.redis.exists(keys.heartbeat(worker_id)):  # the usual case, without a script
                 continue
             requeued, failed = self._requeue_script(
-                keys=[keys.processing(worker_id), keys.wake(model)],
+                keys=[keys.processing(worker_id), keys.wake(model), keys.heartbeat(worker_id), keys.WORKERS],
                 args=[crashed, self.max_attempts, keys.attempts(""), keys.answer(""), keys.channel(""),
-                      self.answer_ttl_s, ATTEMPTS_TTL_S, keys.queue_prefix(model)])
-            self.redis.hdel(keys.WORKERS, worker_id)
+                      self.answer_ttl_s, ATTEMPTS_TTL_S, keys.queue_prefix(model), keys.lease(""),
+                      worker_id])
+            if requeued < 0:  # its heartbeat came back since
+                continue
             self.requeued[model] += requeued
             self.crashed[model] += failed
             if requeued or failed:
@@ -281,3 +363,7 @@ class JobQueue:
 
 def _job_id(raw: bytes) -> str:
     return json.loads(raw)["id"]
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else value

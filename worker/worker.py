@@ -17,7 +17,7 @@ from shared.protocol import WorkerInfo
 from shared.settings import Settings
 from worker import clock
 from worker.engine import Engine
-from worker.job_queue import JobQueue
+from worker.job_queue import LOST, JobQueue
 from worker.metrics import WorkerMetrics
 from worker.sequence import Sequence
 
@@ -49,6 +49,9 @@ class Worker:
         self.stopping = threading.Event()  # set by SIGTERM: finish what we hold, take no more
         self._unpublished: list[Sequence] = []  # finished while Redis was unreachable
         self._left = threading.Event()  # the loop has ended: the heartbeat must stop too
+        # Set by the heartbeat: this worker was declared dead while cut off from Redis, and some of
+        # what it holds may be other workers' now. The loop checks the leases (the engine is its own).
+        self._struck_off = threading.Event()
         self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
         self._crash_on = [int(t) for t in settings.crash_on_prompt.split(",")] if settings.crash_on_prompt else None
 
@@ -105,6 +108,8 @@ class Worker:
         block, fill = (0, 0) if self.engine.busy else (IDLE_BLOCK_S, self.settings.wait_ms / 1000)
         taken = self.queue.take(room, fill, block, alone_ok=not self.engine.busy)
         now = self.queue.clock.now()  # Redis' clock, as the jobs' enqueued_at: no host's own
+        if taken:
+            self._drop_retaken({job.id for job in taken})
         for job in taken:
             self.metrics.taken(job, now)
             if clock.expired(job.enqueued_at, job.timeout_s, now):  # nobody is waiting for it any more
@@ -117,6 +122,16 @@ class Worker:
             except Exception as exc:  # one bad job fails alone; the worker and its batch go on
                 log.exception("job %s refused", job.id)
                 self.queue.fail([job.id], f"the worker could not take this request: {exc}")
+
+    def _drop_retaken(self, job_ids: set[str]) -> None:
+        """A job taken that this worker holds already: it lost the job while cut off from Redis and
+        took it back from the queue before noticing. The old sequence goes, unpublished: the lease
+        names this worker again, so only this keeps the two from both writing to the client."""
+        for seq in self.engine.sequences() + self._unpublished:
+            if seq.id in job_ids and seq.finish_reason != LOST:
+                seq.cancel(LOST)
+                log.warning("job %s came back to this worker, which lost it while cut off from Redis: "
+                            "its first try dropped, unpublished", seq.id)
 
     def _running_alone(self) -> bool:
         """A job whose earlier worker died holds this worker alone until it is done."""
@@ -136,23 +151,42 @@ class Worker:
             self.queue.fail([s.id for s in self.engine.reset()], f"the worker failed: {exc}")
             return
         self.metrics.stepped(self.engine.last_batch)
-        self._publish(changed + [s for s in held if s.finished and s not in changed])
+        seqs = changed + [s for s in held if s.finished and s not in changed]
+        check = self._struck_off.is_set()
+        if check:  # every lease it holds, also of jobs with nothing to send this step
+            self._struck_off.clear()
+            seqs += [s for s in held if s not in seqs]
+        self._publish(seqs, check)
 
-    def _publish(self, seqs: list[Sequence]) -> None:
+    def _publish(self, seqs: list[Sequence], check: bool = False) -> None:
         seqs, self._unpublished = self._unpublished + seqs, []
         try:
-            self.metrics.finished(self.queue.publish(seqs))
+            published = self.queue.publish(seqs, check)
         except redis.RedisError:
             # Finished sequences have left the engine: keep them until their answer is out.
             self._unpublished = [s for s in seqs if s.finished]
+            if check:
+                self._struck_off.set()
             raise
+        self.metrics.finished(published.finished)
+        if published.lost:
+            # Cancelled by the queue: the engine drops them at its next step. Others it holds may be
+            # lost too, with nothing to send yet: the next step checks them all.
+            log.warning("dropped %d job(s) without publishing: this worker was declared dead while cut "
+                        "off from Redis, and their jobs went back to the queue for other workers (%s)",
+                        len(published.lost), ", ".join(s.id for s in published.lost))
+            if not check:
+                self._struck_off.set()
 
     def _beat(self) -> None:
         while not self._left.wait(self.settings.heartbeat_s):
             try:
                 # Not stored back: stop() may be setting `draining` on self.info meanwhile.
                 info = replace(self.info, stats={**self.engine.stats(), "rss_mb": resident_mb()})
-                self.queue.heartbeat(info, self.settings.heartbeat_ttl_s)
+                if self.queue.heartbeat(info, self.settings.heartbeat_ttl_s):
+                    log.warning("this worker was declared dead while cut off from Redis: what it holds "
+                                "may be written by other workers now; checking its leases")
+                    self._struck_off.set()
                 self.queue.requeue_dead_workers()
             except Exception:  # Redis away for a moment: keep trying, the loop reports its own errors
                 log.exception("heartbeat failed")
