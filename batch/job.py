@@ -216,7 +216,9 @@ class BatchRun:
         ids = {}
         for name, part, rows in (("output_file_id", "output", answers), ("error_file_id", "errors", errors)):
             if rows:
-                content = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode()
+                # ASCII: a model's text may hold U+2028 or U+0085, which many readers (Python's
+                # str.splitlines among them) take for a line break inside a JSONL line.
+                content = "".join(json.dumps(row) + "\n" for row in rows).encode()
                 ids[name] = self.files.create(content, f"{self.batch_id}_{part}.jsonl", PURPOSE_OUTPUT)["id"]
         return ids
 

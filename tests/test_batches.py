@@ -313,3 +313,18 @@ def test_a_batch_past_its_window_expires_and_one_whose_file_vanished_fails(fake_
     FileStore(fake_redis).delete(BatchStore(fake_redis).get(vanished)["input_file_id"])
     assert runner(fake_redis, vanished, answering()).run() == "failed"
     assert "no longer exists" in BatchStore(fake_redis).get(vanished)["errors"]["data"][0]["message"]
+
+
+def test_the_output_file_has_one_line_per_answer_whatever_the_text_holds(fake_redis):
+    # A model's text may hold U+2028, U+0085 or a form feed: str.splitlines (and other JSONL
+    # readers) break lines there, so they must not appear raw in the file.
+    batch_id = new_batch(fake_redis, [line("a"), line("b")])
+    odd = "lore\u2028of\x85the\x0cdeep"
+
+    def send(url, body):
+        return Reply(200, {"id": "x", "choices": [{"message": {"content": odd}}]}, request_id="x")
+
+    assert runner(fake_redis, batch_id, send).run() == "completed"
+    answers = read_file(fake_redis, BatchStore(fake_redis).get(batch_id)["output_file_id"])
+    assert [a["custom_id"] for a in answers] == ["a", "b"]
+    assert answers[0]["response"]["body"]["choices"][0]["message"]["content"] == odd

@@ -53,7 +53,8 @@ def stack(redis_server, tiny_model_dirs, tmp_path_factory):
     port = free_port()
     worker = start(["worker", "--model", tiny_model_dirs["llama"], "--dtype", "float32", "--batch", "16",
                     "--wait", "5"], log_dir, "worker", REDIS_URL=redis_server.url)
-    api = start(["api", "--port", str(port), "--redis-url", redis_server.url], log_dir, "api")
+    # No cap on the queue: these tests are about answers, not backpressure (tests/test_reliability.py).
+    api = start(["api", "--port", str(port), "--redis-url", redis_server.url, "--max-queue", "0"], log_dir, "api")
     try:
         wait_until(lambda: MODEL in models_served(port), [worker, api], f"/v1/models to list {MODEL}")
         yield Stack(redis_server, port, worker, api)
