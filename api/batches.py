@@ -77,7 +77,7 @@ def blueprint(settings: Settings, client: redis.Redis) -> Blueprint:
     def file_content(file_id: str):
         content = files.content(file_id)
         if content is None:
-            file_or_404("")  # the same 404, whichever part is missing
+            _found(None, "File", file_id)  # the same 404, whichever part is missing
         return Response(content, mimetype="application/jsonl")
 
     @bp.delete("/v1/files/<file_id>")

@@ -187,17 +187,22 @@ def test_unknown_routes_and_methods_answer_in_openai_shape(served):
 _seen_jobs: list[Job] = []
 
 
+def next_job(client, model: str, tries: int = 200) -> Job:
+    """The next job queued for `model`, as a stand-in worker takes it (polling: fakeredis)."""
+    for _ in range(tries):
+        raw = client.lpop(keys.queue(model))
+        if raw:
+            return Job.from_json(raw)
+        time.sleep(0.01)
+    raise AssertionError(f"no job for {model} was queued")
+
+
 def _answer_in_background(client, queue: JobQueue, publish: bool = True) -> None:
     """A stand-in worker: takes one job and answers it (optionally only by the stored copy)."""
     _seen_jobs.clear()
 
     def answer():
-        for _ in range(200):
-            raw = client.lpop(keys.queue(MODEL))
-            if raw:
-                break
-            time.sleep(0.01)
-        job = Job.from_json(raw)
+        job = next_job(client, MODEL)
         _seen_jobs.append(job)
         final = encode_result(Final(text=" and then", finish_reason="length",
                                     prompt_tokens=len(job.prompt_ids), completion_tokens=2))

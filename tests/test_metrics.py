@@ -24,7 +24,7 @@ from shared import keys
 from shared import metrics as names
 from shared.protocol import Failure, Final, Job, SamplingParams, TextDelta, encode_result
 from shared.settings import Settings
-from tests.test_api_errors import MODEL as FAKE_MODEL, _register_worker
+from tests.test_api_errors import MODEL as FAKE_MODEL, _register_worker, next_job
 from worker.continuous import engine as continuous
 from worker.metrics import EngineCollector, WorkerMetrics
 from worker.model_loader import load
@@ -98,13 +98,7 @@ def _stand_in_worker(client, answers: int, fail: bool = False) -> threading.Thre
     """Takes `answers` jobs and writes each: a streamed job gets a piece of text first."""
     def run():
         for _ in range(answers):
-            raw = None
-            for _ in range(500):
-                raw = client.lpop(keys.queue(FAKE_MODEL))
-                if raw:
-                    break
-                time.sleep(0.01)
-            job = Job.from_json(raw)
+            job = next_job(client, FAKE_MODEL, tries=500)
             if fail:
                 client.publish(keys.channel(job.id), encode_result(Failure("it broke", code="worker_error")))
                 continue
