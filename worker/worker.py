@@ -134,7 +134,7 @@ class Worker:
                             "its first try dropped, unpublished", seq.id)
 
     def _running_alone(self) -> bool:
-        """A job whose earlier worker died holds this worker alone until it is done."""
+        """A job on its last retry (its earlier workers died) holds this worker alone until done."""
         return any(s.id in self.queue.isolated for s in self.engine.sequences())
 
     def _step(self) -> None:
