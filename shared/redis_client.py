@@ -6,23 +6,119 @@ The URL carries everything a connection needs, and redis-py reads all of it, so 
   rediss://host:6380/0?ssl_ca_certs=/path/ca.pem       TLS, the server's certificate checked against a CA file
   rediss://...&ssl_certfile=c.pem&ssl_keyfile=c.key    a client certificate, for a server that asks for one
 A password holding @ : / or % is percent-encoded in the URL (%40 for @).
+
+Redis Sentinel (a primary, its replicas, and sentinels that promote a replica when the primary dies):
+  redis+sentinel://[[USER]:PASSWORD@]host:26379[,host2:26379,...]/SERVICE[/DB][?sentinel_password=...]
+The hosts are the sentinels (port 26379 unless given; [::1]:26379 for IPv6), SERVICE the name they
+know the primary by (`sentinel monitor SERVICE ...`), DB the database (0). USER and PASSWORD are the
+primary's (and its replicas'); `sentinel_password` is the sentinels' own requirepass, if they have one.
+Every client is then redis-py's own `Sentinel(...).master_for(SERVICE)`: each new connection asks
+the sentinels where the primary is now, so after a fail-over connections go to the promoted replica.
+The commands that meet the fail-over fail with ConnectionError (MasterNotFoundError while the
+sentinels agree on a new primary), which the API and the workers ride out as any Redis outage.
 """
 from __future__ import annotations
 
 import re
-from urllib.parse import urlsplit, urlunsplit
+from dataclasses import dataclass
+from urllib.parse import parse_qs, unquote, urlsplit, urlunsplit
 
 import redis
+from redis.sentinel import Sentinel
 
 MASK = "***"
+SENTINEL_SCHEME = "redis+sentinel"
+SENTINEL_PORT = 26379
+# How long a question to one sentinel may take (unless the caller's socket timeouts say): a sentinel
+# that is down or cut off must not hold up the next one in the list, nor a connection for long.
+SENTINEL_TIMEOUT_S = 2.0
 
 # Query options that hold a secret (redis-py passes `password` and `ssl_password` on as they are).
-_SECRET_OPTION = re.compile(r"((?:^|&)(?:ssl_)?password=)[^&]*")
+_SECRET_OPTION = re.compile(r"((?:^|&)(?:ssl_|sentinel_)?password=)[^&]*")
+# The only query options a Sentinel URL takes: anything else is more likely a typo than a wish.
+_SENTINEL_OPTIONS = {"sentinel_password"}
+
+
+@dataclass(frozen=True)
+class SentinelURL:
+    """What a redis+sentinel:// URL says (the password never shown by repr)."""
+    sentinels: tuple[tuple[str, int], ...]
+    service: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    sentinel_password: str | None = None
+
+    def __repr__(self) -> str:
+        hosts = ",".join(f"{h}:{p}" for h, p in self.sentinels)
+        return f"SentinelURL({hosts}/{self.service}/{self.db})"
+
+
+def is_sentinel(url: str) -> bool:
+    return url.lower().startswith(SENTINEL_SCHEME + "://")
+
+
+def parse_sentinel(url: str) -> SentinelURL:
+    """The parts of a redis+sentinel:// URL; ValueError (without the password) if it is not one."""
+    parts = urlsplit(url)
+    if parts.scheme.lower() != SENTINEL_SCHEME:
+        raise ValueError(f"not a {SENTINEL_SCHEME}:// URL: {masked(url)}")
+    userinfo, at, hosts = parts.netloc.rpartition("@")
+    sentinels = tuple(_host_port(h, url) for h in hosts.split(",") if h.strip())
+    if not sentinels:
+        raise ValueError(f"no sentinel host in {masked(url)}: give host:26379[,host2:26379...]")
+    path = [p for p in parts.path.split("/") if p]
+    if not path or len(path) > 2:
+        raise ValueError(f"{masked(url)} names no service: end it with /SERVICE or /SERVICE/DB "
+                         f"(the name in the sentinels' `sentinel monitor SERVICE ...`)")
+    if len(path) == 2 and not path[1].isdigit():
+        raise ValueError(f"the database in {masked(url)} is not a number: /SERVICE/DB, such as /mymaster/0")
+    options = parse_qs(parts.query, keep_blank_values=True)
+    unknown = sorted(set(options) - _SENTINEL_OPTIONS)
+    if unknown:
+        raise ValueError(f"{masked(url)}: unknown option(s) {', '.join(unknown)} (a Sentinel URL takes "
+                         f"only {', '.join(sorted(_SENTINEL_OPTIONS))})")
+    username, colon, password = userinfo.partition(":") if at else ("", "", "")
+    return SentinelURL(
+        sentinels=sentinels, service=unquote(path[0]), db=int(path[1]) if len(path) == 2 else 0,
+        username=unquote(username) or None, password=unquote(password) if colon else None,
+        sentinel_password=options.get("sentinel_password", [None])[-1] or None)
+
+
+def _host_port(text: str, url: str) -> tuple[str, int]:
+    text = text.strip()
+    if text.startswith("["):  # [IPv6]:port
+        host, _, rest = text[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else rest
+    else:
+        host, _, port = text.rpartition(":") if ":" in text else (text, "", "")
+    if not host or (port and not port.isdigit()):
+        raise ValueError(f"bad sentinel address {text!r} in {masked(url)}: give host:port")
+    return host, int(port) if port else SENTINEL_PORT
 
 
 def connect(url: str, **options) -> redis.Redis:
-    """A client for `url`; connections open on first use. Options the URL also names: the URL wins."""
-    return redis.Redis.from_url(url, **options)
+    """A client for `url`; connections open on first use. Options the URL also names: the URL wins.
+
+    For a redis+sentinel:// URL, a client of the current primary: the same options apply to its
+    connections, and socket timeouts also to the questions asked of the sentinels."""
+    if not is_sentinel(url):
+        return redis.Redis.from_url(url, **options)
+    spec = parse_sentinel(url)
+    # What redis-py itself would give the sentinels (the caller's socket_* options), with a timeout
+    # where the caller sets none: the batch worker's client has none, and a sentinel that hangs must
+    # not hang it.
+    asking = {k: v for k, v in options.items() if k.startswith("socket_") and v is not None}
+    asking.setdefault("socket_connect_timeout", SENTINEL_TIMEOUT_S)
+    asking.setdefault("socket_timeout", SENTINEL_TIMEOUT_S)
+    if spec.sentinel_password:
+        asking["password"] = spec.sentinel_password
+    primary = {**options, "db": spec.db}
+    if spec.username:
+        primary["username"] = spec.username
+    if spec.password is not None:
+        primary["password"] = spec.password
+    return Sentinel(spec.sentinels, sentinel_kwargs=asking).master_for(spec.service, **primary)
 
 
 def masked(url: str) -> str:

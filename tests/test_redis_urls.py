@@ -1,0 +1,101 @@
+"""REDIS_URL's Sentinel form: parsing, the password never shown, the client it makes, serve.py's
+refusal to start a Redis for it. (No server here: tests/test_sentinel.py runs real ones.)"""
+from __future__ import annotations
+
+import pytest
+import redis
+from redis.sentinel import SentinelConnectionPool
+
+from serve import ensure_redis, free_port
+from shared.redis_client import SENTINEL_TIMEOUT_S, SentinelURL, connect, is_sentinel, masked, parse_sentinel
+
+PASSWORD = "s3cret-Pa55 word"
+QUOTED = PASSWORD.replace(" ", "%20")
+
+
+@pytest.mark.parametrize("url, expected", [
+    ("redis+sentinel://h:26379/mymaster", SentinelURL((("h", 26379),), "mymaster")),
+    ("redis+sentinel://a,b:26380, c:1/svc/3", SentinelURL((("a", 26379), ("b", 26380), ("c", 1)), "svc", 3)),
+    (f"redis+sentinel://:{QUOTED}@10.0.0.5:26379/mymaster/0",
+     SentinelURL((("10.0.0.5", 26379),), "mymaster", 0, None, PASSWORD)),
+    (f"redis+sentinel://game:{QUOTED}@h/m?sentinel_password=p%40ss",
+     SentinelURL((("h", 26379),), "m", 0, "game", PASSWORD, "p@ss")),
+    ("redis+sentinel://[::1]:26380,[fe80::1]/m/1", SentinelURL((("::1", 26380), ("fe80::1", 26379)), "m", 1)),
+    ("REDIS+SENTINEL://h/my%20master", SentinelURL((("h", 26379),), "my master")),
+])
+def test_a_sentinel_url_names_the_sentinels_service_db_and_passwords(url, expected):
+    assert is_sentinel(url)
+    assert parse_sentinel(url) == expected
+
+
+@pytest.mark.parametrize("url, words", [
+    ("redis+sentinel:///mymaster", "no sentinel host"),
+    ("redis+sentinel://h:26379", "names no service"),
+    ("redis+sentinel://h:26379/", "names no service"),
+    ("redis+sentinel://h/m/0/extra", "names no service"),
+    ("redis+sentinel://h/m/zero", "not a number"),
+    ("redis+sentinel://h:port/m", "bad sentinel address"),
+    (f"redis+sentinel://:{QUOTED}@h/m?ssl=true&socket_timeout=1", "unknown option(s) socket_timeout, ssl"),
+])
+def test_a_malformed_sentinel_url_is_refused_without_its_password(url, words):
+    with pytest.raises(ValueError) as caught:
+        connect(url)
+    assert words in str(caught.value) and "s3cret" not in str(caught.value)
+
+
+def test_the_parts_repr_shows_no_password():
+    shown = repr(parse_sentinel(f"redis+sentinel://:{QUOTED}@h/m?sentinel_password={QUOTED}"))
+    assert "s3cret" not in shown and "h:26379/m/0" in shown
+
+
+@pytest.mark.parametrize("url, shown", [
+    ("redis+sentinel://h1:26379,h2:26379/mymaster/0", "redis+sentinel://h1:26379,h2:26379/mymaster/0"),
+    (f"redis+sentinel://:{QUOTED}@h1:26379,h2:26379/mymaster/0",
+     "redis+sentinel://:***@h1:26379,h2:26379/mymaster/0"),
+    (f"redis+sentinel://game:{QUOTED}@h/m?sentinel_password={QUOTED}",
+     "redis+sentinel://game:***@h/m?sentinel_password=***"),
+    ("redis+sentinel://[::1]:26379/m", "redis+sentinel://[::1]:26379/m"),
+])
+def test_masked_hides_the_passwords_of_a_sentinel_url(url, shown):
+    assert masked(url) == shown
+
+
+def test_other_urls_are_not_sentinel_urls():
+    for url in ("redis://h:6379/0", "rediss://h/0", "unix:///tmp/r.sock", "redis+sentinelx://h/m"):
+        assert not is_sentinel(url)
+    assert isinstance(connect("redis://127.0.0.1:6379/0").connection_pool, redis.ConnectionPool)
+    assert not isinstance(connect("redis://127.0.0.1:6379/0").connection_pool, SentinelConnectionPool)
+
+
+def test_connect_makes_a_client_of_the_primary_through_redis_pys_sentinel():
+    url = f"redis+sentinel://game:{QUOTED}@h1,h2:26380/svc/2?sentinel_password=sp"
+    client = connect(url, socket_connect_timeout=1, socket_timeout=5, max_connections=9)
+    pool = client.connection_pool
+    assert isinstance(pool, SentinelConnectionPool) and pool.is_master and pool.service_name == "svc"
+    assert pool.max_connections == 9
+    kwargs = pool.connection_kwargs
+    assert (kwargs["db"], kwargs["username"], kwargs["password"]) == (2, "game", PASSWORD)
+    assert (kwargs["socket_connect_timeout"], kwargs["socket_timeout"]) == (1, 5)
+    # The sentinels are asked with the caller's socket timeouts, and their own password.
+    asked = [s.connection_pool.connection_kwargs for s in pool.sentinel_manager.sentinels]
+    assert [(a["host"], a["port"]) for a in asked] == [("h1", 26379), ("h2", 26380)]
+    assert all((a["socket_connect_timeout"], a["socket_timeout"], a["password"]) == (1, 5, "sp") for a in asked)
+    assert "password" not in connect("redis+sentinel://h/m").connection_pool.connection_kwargs
+
+
+def test_sentinels_get_a_timeout_when_the_caller_sets_none():
+    # The batch worker's client sets no timeout: a sentinel that hangs must not hang it.
+    asked = connect("redis+sentinel://h/m").connection_pool.sentinel_manager.sentinels[0]
+    kwargs = asked.connection_pool.connection_kwargs
+    assert kwargs["socket_connect_timeout"] == kwargs["socket_timeout"] == SENTINEL_TIMEOUT_S
+
+
+@pytest.mark.timeout(30)
+def test_no_sentinel_answering_is_a_connection_error_and_serve_starts_nothing():
+    url = f"redis+sentinel://:{QUOTED}@127.0.0.1:{free_port()}/mymaster/0"
+    with pytest.raises(redis.ConnectionError) as caught:
+        connect(url, socket_connect_timeout=1).ping()
+    assert "No master found for 'mymaster'" in str(caught.value)
+    with pytest.raises(SystemExit) as caught:
+        ensure_redis(url)
+    assert "Sentinel" in str(caught.value) and ":***@" in str(caught.value) and "s3cret" not in str(caught.value)
