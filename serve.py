@@ -2,7 +2,7 @@
 
 Redis: the one at REDIS_URL if it answers; otherwise a redis-server started here when one is
 installed; otherwise an embedded stand-in (fakeredis' TCP server) inside this process. A redis-server
-started here gets REDIS_URL's password; for a rediss:// (TLS) URL nothing is started.
+started here gets REDIS_URL's password; for a rediss:// (TLS) or redis+sentinel:// URL nothing is started.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from urllib.parse import unquote, urlparse
 
 import redis
 
-from shared.redis_client import connect, explain, masked
+from shared.redis_client import connect, explain, is_sentinel, masked
 from shared.settings import Settings
 
 READY_TIMEOUT_S = 300
@@ -40,6 +40,9 @@ def ensure_redis(url: str) -> tuple[str, list[subprocess.Popen]]:
         raise SystemExit(f"Redis at {masked(url)}: {explain(exc)}")
     except redis.RedisError:
         pass
+    if is_sentinel(url):  # the primary is whichever server the sentinels name: not ours to start
+        raise SystemExit(f"no Redis primary found through the sentinels at {masked(url)}, and serve.py "
+                         f"starts no Sentinel setup: start yours (redis-sentinel), or give a redis:// URL")
     parsed = urlparse(url)
     if parsed.scheme == "rediss":
         raise SystemExit(f"nothing answers at {masked(url)}, and serve.py starts no TLS Redis: start "
