@@ -1,11 +1,14 @@
-"""python -m api: the completions API under gunicorn, with a thread per waiting player."""
+"""python -m api: the completions API under gunicorn: a greenlet per waiting player (gevent), or a
+thread per waiting player (gthread)."""
 from __future__ import annotations
 
 import atexit
 import os
+import resource
 import shutil
 import sys
 import tempfile
+import warnings
 
 from gunicorn.app.base import BaseApplication
 
@@ -13,8 +16,10 @@ from api.auth import load_keys
 from shared.redis_client import masked
 from shared.settings import Settings
 
-FLAGS = ["host", "port", "redis_url", "threads", "api_workers", "request_timeout", "max_queue", "worker_grace",
-         "api_keys", "api_keys_file", "rate_limit", "files_dir", "batch_file_limit"]
+FLAGS = ["host", "port", "redis_url", "api_worker_class", "api_connections", "threads", "api_workers",
+         "redis_connections", "request_timeout", "max_queue", "worker_grace", "api_keys", "api_keys_file",
+         "rate_limit", "files_dir", "batch_file_limit"]
+WORKER_CLASSES = ("gevent", "gthread")
 
 
 class _Gunicorn(BaseApplication):
@@ -28,11 +33,14 @@ class _Gunicorn(BaseApplication):
         options = {
             "bind": f"{s.host}:{s.port}",
             "workers": s.api_workers,
-            # gthread: each request holds a thread while it waits on Redis, so the thread count is
-            # the number of players that can wait at once without queueing at the socket.
-            "worker_class": "gthread",
+            # A waiting player holds a greenlet (gevent: gunicorn monkey-patches the process, so
+            # redis-py's sockets and the broker's threads and queues become cooperative) or a thread
+            # (gthread): api_connections or threads is how many wait at once per process without
+            # queueing at the socket. Either way, none holds a Redis connection while it waits.
+            "worker_class": s.api_worker_class,
+            "worker_connections": s.api_connections,
             "threads": s.threads,
-            "backlog": 2048,
+            "backlog": max(2048, s.api_connections),
             "timeout": 60,  # a worker process silent this long is restarted; request threads don't count
             "graceful_timeout": 30,
             "keepalive": 5,
@@ -52,9 +60,31 @@ class _Gunicorn(BaseApplication):
 
 def main(argv=None) -> None:
     settings = Settings.parse(argv, FLAGS, "Storyteller completions API (OpenAI's shape)")
+    if settings.api_worker_class not in WORKER_CLASSES:
+        raise SystemExit(f"--api-worker-class {settings.api_worker_class!r}: expected one of "
+                         f"{', '.join(WORKER_CLASSES)}")
     load_keys(settings)  # an unreadable keys file stops us here, not in every gunicorn worker
+    _raise_open_files(settings)
+    # gevent's worker patches the standard library once forked, after this process imported ssl
+    # (redis-py does, here through shared.settings). gevent then warns, naming the modules that
+    # hold ssl's names from before the patch: redis-py's asyncio client alone, which the API never
+    # uses (its sync client looks ssl's names up when it connects). Only that exact warning is
+    # silenced: another module in the list would show it.
+    warnings.filterwarnings("ignore", message=r"Monkey-patching ssl after ssl has already been imported"
+                            r".*\(NOT patched\): \['redis\.asyncio\.connection \([^)]*\)'\]\.")
     _metrics_dir()
     _Gunicorn(settings).run()
+
+
+def _raise_open_files(settings: Settings) -> None:
+    """Each held player is a socket: lift the soft limit on open files (often 1024) as far as the
+    hard limit allows, for the gunicorn processes forked from this one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    players = settings.api_connections if settings.api_worker_class == "gevent" else settings.threads
+    want = settings.api_workers * (players + settings.redis_connections) + 256
+    if soft != resource.RLIM_INFINITY and soft < want:
+        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
 
 
 def _metrics_dir() -> None:

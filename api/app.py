@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import uuid
 from dataclasses import replace
@@ -36,11 +37,7 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 
 def create_app(settings: Optional[Settings] = None, client: Optional[redis.Redis] = None) -> Flask:
     settings = settings or Settings.from_env()
-    # Short timeouts: with Redis down, a request must get its 503 in a second or two, not hang.
-    # A waiting request holds a pub/sub connection and briefly another: two per thread (redis-py
-    # allows 100 by default, fewer than the players one API process lets wait).
-    client = client or connect(settings.redis_url, socket_connect_timeout=1, socket_timeout=5,
-                               max_connections=2 * settings.threads + 8)
+    client = client or redis_client(settings)
     broker = Broker(client, settings.worker_grace, settings.max_queue)
     tokenizers = TokenizerCache(client)
     app = Flask(__name__)
@@ -130,6 +127,30 @@ def create_app(settings: Optional[Settings] = None, client: Optional[redis.Redis
             pending.close()
 
     return app
+
+
+# How long a Redis command waits for one of the process's connections when all are in use.
+POOL_WAIT_S = 10
+
+
+def redis_client(settings: Settings) -> redis.Redis:
+    """This API process's Redis client: at most settings.redis_connections connections.
+
+    A waiting request holds none of them (it waits on the process's one subscriber: api/broker.py),
+    so a few dozen carry thousands of players; a burst that wants more at once waits for a free
+    one (redis-py's BlockingConnectionPool) rather than failing. Each connection is named after
+    the process (CLIENT LIST shows which process holds what).
+    """
+    # Short timeouts: with Redis down, a request must get its 503 in a second or two, not hang.
+    client = connect(settings.redis_url, socket_connect_timeout=1, socket_timeout=5,
+                     max_connections=settings.redis_connections,
+                     client_name=f"storyteller-api-{os.getpid()}")
+    pool = client.connection_pool
+    if type(pool) is not redis.ConnectionPool:
+        return client  # a pool of another kind (Sentinel's) keeps its own bound, and fails past it
+    return redis.Redis(connection_pool=redis.BlockingConnectionPool(
+        max_connections=settings.redis_connections, timeout=POOL_WAIT_S,
+        connection_class=pool.connection_class, **pool.connection_kwargs))
 
 
 class _JsonProvider(DefaultJSONProvider):

@@ -26,8 +26,16 @@ class Settings:
     # The API
     host: str = _setting("127.0.0.1", "address the API listens on (0.0.0.0 in a container)")
     port: int = _setting(8000, "port the API listens on")
-    threads: int = _setting(256, "threads per API process: one per waiting player")
+    api_worker_class: str = _setting("gevent", "gevent (a greenlet per waiting player: thousands per "
+                                               "process) | gthread (a thread per waiting player, "
+                                               "--threads of them)")
+    api_connections: int = _setting(4096, "players one API process holds at once with gevent (more "
+                                          "wait in the listen backlog)")
+    threads: int = _setting(256, "threads per API process with gthread: one per waiting player")
     api_workers: int = _setting(1, "API processes under gunicorn")
+    redis_connections: int = _setting(32, "Redis connections one API process opens at most, its "
+                                          "pub/sub subscriber's included; past them a request "
+                                          "waits for a free one")
     request_timeout: float = _setting(300.0, "seconds a request may wait for its answer")
     max_queue: int = _setting(-1, "jobs that may wait per model before new requests get 429 (-1: "
                                   "4x what the live workers hold at once; 0: unbounded)")
