@@ -208,7 +208,8 @@ class Service:
 
 
 # Settings a user may pass to serve.py: all of them but the test-only hooks.
-SERVE_FLAGS = [f.name for f in fields(Settings) if f.name not in ("crash_on_prompt", "clock_skew_s")]
+SERVE_FLAGS = [f.name for f in fields(Settings) if f.name not in ("crash_on_prompt", "clock_skew_s",
+                                                                     "step_delay_s")]
 PROMETHEUS_PORT = 9090
 
 

@@ -96,6 +96,8 @@ class Settings:
                                         "prompt is these comma-separated token ids dies at once (SIGKILL)")
     clock_skew_s: float = _setting(0.0, "test only, off by default: seconds a worker adds to every "
                                         "wall-clock reading it makes, as if its host's clock were off")
+    step_delay_s: float = _setting(0.0, "test only, off by default: seconds a worker sleeps after each "
+                                        "engine step, as if its hardware were that much slower")
     heartbeat_s: float = _setting(1.0, "seconds between worker heartbeats")
     heartbeat_ttl_s: float = _setting(3.0, "seconds without a heartbeat after which a worker is dead")
     answer_ttl_s: int = _setting(300, "seconds a final answer stays readable in Redis")

@@ -41,11 +41,13 @@ LOST = "lost"
 # it) is taken only alone (ARGV[2] = 1: this worker holds nothing) and then nothing with it, so
 # that if it kills this worker too, it alone is to blame; otherwise taking stops before it, so
 # priority order holds.
-# Each job taken gets a lease naming this worker (ARGV[8]).
-# KEYS: the model's queues, most urgent first, then the processing list.
+# Each job taken gets a lease naming this worker (ARGV[8]). A worker takes only what it will start
+# (worker.py): jobs it leaves behind wake an idle worker, as the API's push did, so none sleeps
+# through its block while work waits (one token, if none is there already).
+# KEYS: the model's queues, most urgent first, then the processing list, then the wake list.
 # Returns {1 if the one job taken must run alone, the jobs}.
 _TAKE = """
-local nq = #KEYS - 1
+local nq = #KEYS - 2
 local processing = KEYS[nq + 1]
 local limit, alone_ok, last_retry = tonumber(ARGV[1]), ARGV[2] == '1', tonumber(ARGV[3])
 local taken, isolated = {}, 0
@@ -77,6 +79,14 @@ if #taken > 0 then
   local drained = ARGV[5] .. redis.call('TIME')[1]
   redis.call('INCRBY', drained, #taken)
   redis.call('EXPIRE', drained, tonumber(ARGV[6]))
+end
+if redis.call('LLEN', KEYS[nq + 2]) == 0 then
+  for i = 1, nq do
+    if redis.call('LLEN', KEYS[i]) > 0 then
+      redis.call('LPUSH', KEYS[nq + 2], '1')
+      break
+    end
+  end
 end
 return {isolated, taken}
 """
@@ -197,7 +207,7 @@ class JobQueue:
 
     def _take_now(self, limit: int, alone_ok: bool) -> list[bytes]:
         isolated, raws = self._take_script(
-            keys=[*keys.queues(self.model), self._processing],
+            keys=[*keys.queues(self.model), self._processing, self._wake],
             args=[limit, int(alone_ok), self.max_attempts, keys.attempts(""),
                   keys.drained_prefix(self.model), DRAINED_TTL_S, keys.lease(""), self.worker_id,
                   LEASE_TTL_S])

@@ -28,6 +28,10 @@ REDIS_RETRY_S = 1.0  # pause before trying again when Redis is unreachable
 # A stopping worker whose Redis stays away this long leaves anyway: its jobs stay in its processing
 # list, and a live worker writes them again once Redis is back. Without this, SIGTERM never ends it.
 STOPPING_REDIS_WAIT_S = 30.0
+# Takes between two steps at most. The engine guesses how many jobs its next step will start before
+# it sees their prompts, and is asked again with them in hand: the second answer is nearly always
+# right, since the guess is learnt from the jobs before.
+ADMIT_ROUNDS = 4
 
 
 def resident_mb() -> int:
@@ -101,12 +105,28 @@ class Worker:
             log.info("worker %s stopped", self.info.id)
 
     def _admit(self) -> None:
-        room = 0 if self.stopping.is_set() else self.engine.free_slots()
-        if not room or (self.queue.isolated and self._running_alone()):
-            return
-        # A busy engine must not wait for Redis: jobs are taken between steps, whatever is there.
-        block, fill = (0, 0) if self.engine.busy else (IDLE_BLOCK_S, self.settings.wait_ms / 1000)
-        taken = self.queue.take(room, fill, block, alone_ok=not self.engine.busy)
+        """Take the jobs the engine will start at its next step, and no more (`free_slots`): one it
+        would not start stays in Redis, where a worker with room takes it, instead of waiting inside
+        this one. The engine's count is a guess until it holds the jobs and sees their prompts, so
+        it is asked again after each take, a few times at most."""
+        idle = not self.engine.busy
+        # Idle, it blocks for a first job, then waits up to --wait for the batch to fill (over all
+        # the rounds). Busy, it must not wait for Redis: it takes whatever is there, between steps.
+        block = IDLE_BLOCK_S if idle else 0
+        fill_until = time.monotonic() + (self.settings.wait_ms / 1000 if idle else 0)
+        for _ in range(ADMIT_ROUNDS):
+            room = 0 if self.stopping.is_set() else self.engine.free_slots()
+            if not room or (self.queue.isolated and self._running_alone()):
+                return
+            taken = self.queue.take(room, max(0.0, fill_until - time.monotonic()), block,
+                                    alone_ok=not self.engine.busy)
+            self._add(taken)
+            if len(taken) < room:  # the queue is empty
+                return
+            block = 0
+
+    def _add(self, taken: list) -> None:
+        """Hand the jobs taken to the engine; those it cannot run are answered at once."""
         now = self.queue.clock.now()  # Redis' clock, as the jobs' enqueued_at: no host's own
         if taken:
             self._drop_retaken({job.id for job in taken})
@@ -157,6 +177,8 @@ class Worker:
             self._struck_off.clear()
             seqs += [s for s in held if s not in seqs]
         self._publish(seqs, check)
+        if self.settings.step_delay_s:  # the test hook: a slower machine, for tests of sharing work
+            time.sleep(self.settings.step_delay_s)
 
     def _publish(self, seqs: list[Sequence], check: bool = False) -> None:
         seqs, self._unpublished = self._unpublished + seqs, []

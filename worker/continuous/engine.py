@@ -7,6 +7,7 @@ that reach their end get a token, and those that finish give their blocks back a
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 from shared.protocol import Job
@@ -16,7 +17,7 @@ from worker.continuous.attention import KVCache
 from worker.continuous.block_manager import BlockManager
 from worker.continuous.model_runner import ModelRunner
 from worker.continuous.request import Request, Status
-from worker.continuous.scheduler import Scheduler
+from worker.continuous.scheduler import MIN_PROMPT_SHARE, PROMPT_TOKENS_PER_DECODE, Scheduler
 from worker.model_loader import LoadedModel
 from worker.sequence import Sequence
 from worker.static_engine import check_prompt
@@ -36,8 +37,12 @@ class ContinuousEngine:
         blocks = settings.kv_blocks or max(1, settings.kv_memory * MIB // (size * KVCache.bytes_per_token(
             model.layers, model.kv_heads, model.head_dim, loaded.dtype)))
         self.blocks = BlockManager(blocks, size, settings.prefix_caching)
-        # Each running request holds a block at least, and each decode costs a token of the budget.
-        self.capacity = settings.batch or min(blocks, settings.max_batch_tokens)
+        # Each running request holds a block at least, and each decode costs a token of the budget:
+        # beyond either, requests would be held without being computed, also with a larger --batch.
+        self.capacity = min(settings.batch or blocks, blocks, settings.max_batch_tokens)
+        if settings.batch > self.capacity:
+            log.warning("--batch %d: at most %d requests run at once (one KV block and one token of "
+                        "--max-batch-tokens each)", settings.batch, self.capacity)
         # Room kept free at admission so that running requests can grow: 1% of the pool, as vLLM does.
         margin = max(1, blocks // 100)
         self.scheduler = Scheduler(self.blocks, settings.max_batch_tokens, self.capacity,
@@ -49,6 +54,13 @@ class ContinuousEngine:
         self.runner = ModelRunner(model, cache, size, loaded.device, kernel)
         self.last_batch = 0  # sequences computed by the last step
         self.generated = 0  # tokens written, since start
+        # What a new request has cost its first step lately, in prompt tokens computed (prefix-cache
+        # hits left out): free_slots' guess for jobs still in Redis, whose prompts it cannot see.
+        self._start_cost = 0.0  # 0: nothing admitted yet
+        self._hit_share = 0.0  # of their prompts, what recent requests found in the prefix cache
+        self._margin = margin
+        self._admitted: set[Request] = set()  # the running requests already counted
+        self._hits = 0  # the block manager's prefix hits when last counted
         log.info("KV cache: %d blocks of %d tokens (%.0f MiB); up to %d requests, %d tokens a step, "
                  "%s scheduler, prefix caching %s", blocks, size, cache.k.nbytes * 2 / MIB, self.capacity,
                  settings.max_batch_tokens, settings.scheduler, "on" if settings.prefix_caching else "off")
@@ -58,10 +70,62 @@ class ContinuousEngine:
         return bool(self.scheduler.running or self.scheduler.waiting)
 
     def free_slots(self) -> int:
-        # Jobs that could not be admitted stay in Redis, where another worker may take them.
-        if self.scheduler.waiting:
+        """How many more jobs to take now: as many as the next step will start (give a first chunk
+        of their prompt), by its token budget and the cache's room, less what is held unstarted.
+
+        A job taken beyond that would wait inside this worker, a step or many, while another worker
+        might be idle: it stays in Redis instead, for whichever worker can start it first. Every
+        step is preceded by a take, so nothing is lost by not looking further ahead. A guess, as
+        the jobs' prompts are still in Redis: the worker asks again after adding what it took.
+        """
+        s = self.scheduler
+        self._learn_start_cost()
+        live = [r for r in s.running if not r.finished]
+        waiting = [r for r in s.waiting if not r.finished]
+        room = s.max_running - len(live) - len(waiting)
+        budget, blocks = self._start_budget(live), self.blocks.free - self._margin
+        # Held, not started: the next step starts them first. Their share of the prompt found in the
+        # prefix cache is known only at their admission: as much as recent requests found.
+        for req in waiting:
+            budget -= req.to_compute * (1 - self._hit_share)
+            blocks -= self.blocks.blocks_for(math.ceil(len(req.tokens) * (1 - self._hit_share)))
+        if room <= 0 or budget <= 0 or blocks <= 0:
             return 0
-        return max(0, self.capacity - len(self.scheduler.running))
+        # A new job's cost: what recent ones cost, or else what the held ones would; with neither,
+        # one job, and the worker asks again once it holds that one and knows its prompt.
+        cost = self._start_cost or (sum(r.to_compute for r in waiting) / len(waiting) if waiting else 0)
+        if not cost:
+            return 1
+        # The last one taken may get only part of its prompt computed: it has started all the same.
+        fit = min(math.ceil(budget / cost), blocks // self.blocks.blocks_for(math.ceil(cost)))
+        return max(0, min(room, fit))
+
+    def _start_budget(self, live: list[Request]) -> int:
+        """Prompt tokens the next step has for requests that start in it: the scheduler's rule."""
+        s = self.scheduler
+        decodes = sum(1 for r in live if r.status is Status.DECODING)
+        prefills = sum(r.to_compute for r in live if r.status is Status.PREFILLING)
+        budget = s.max_batch_tokens
+        if s.policy == "fifo":  # decodes go first, and leave prompts a share beside them
+            budget -= decodes
+            if decodes:
+                budget = min(budget, s.prefill_chunk, max(MIN_PROMPT_SHARE, PROMPT_TOKENS_PER_DECODE * decodes))
+        return budget - prefills  # ongoing prompts go before new ones, under both policies
+
+    def _learn_start_cost(self) -> None:
+        """What the requests admitted since the last call computed of their prompts: their length,
+        less the prefix-cache hits their admission found."""
+        running = self.scheduler.running
+        new = [r for r in running if r not in self._admitted and not r.preemptions]
+        self._admitted = set(running)
+        hits, self._hits = self.blocks.hits - self._hits, self.blocks.hits
+        if new:
+            prompts = sum(len(r.seq.prompt_ids) for r in new)
+            hits = min(hits, prompts - len(new))  # the last token of each is always computed
+            cost, share = (prompts - hits) / len(new), hits / prompts
+            if self._start_cost:  # lately weighs as much as all before: prompts change with the game
+                cost, share = (self._start_cost + cost) / 2, (self._hit_share + share) / 2
+            self._start_cost, self._hit_share = cost, share
 
     def add(self, job: Job) -> Sequence:
         check_prompt(job.prompt_ids, self.loaded)
