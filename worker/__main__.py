@@ -24,6 +24,12 @@ FLAGS = ["redis_url", "model", "model_name", "engine", "batch", "wait_ms", "dtyp
          "block_size", "kv_blocks", "kv_memory", "max_batch_tokens", "prefill_chunk", "scheduler", "prefix_caching",
          "int4_rows", "int4_head", "torch_threads", "cache_dir", "max_attempts", "metrics_port"]
 STATIC_DEFAULT_BATCH = 64
+# A cut link stalls TCP without an error (no RST): each Redis call gives up after this, so a worker
+# behind one logs it, goes on trying, and reconnects once the link is back, instead of waiting on a
+# reply that may never come (for ~15 minutes until TCP gives up, or for ever once Redis has dropped
+# its side). Well above the longest call it makes (an idle worker's 0.5 s BLPOP). redis-py 8 has
+# the same defaults, but its versions before 6 had none: said here, they can't silently go.
+REDIS_TIMEOUT_S = 5.0
 
 
 def check(settings: Settings) -> None:
@@ -61,7 +67,8 @@ def main(argv=None) -> None:
     started = time.monotonic()
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
-    client = connect(settings.redis_url, socket_connect_timeout=5)
+    client = connect(settings.redis_url, socket_connect_timeout=5, socket_timeout=REDIS_TIMEOUT_S,
+                     socket_keepalive=True)
     try:
         client.ping()  # fail now, with a clear error, rather than after loading the model
     except redis.RedisError as exc:
