@@ -182,6 +182,14 @@ def test_jobs_left_behind_wake_an_idle_worker(real_redis):
     assert real_redis.llen(keys.wake("m")) == 0
 
 
+def test_a_worker_refuses_several_names_at_start():
+    """One worker, one name: the queue of the model it loads. A list would be one name nobody uses."""
+    from worker.__main__ import check
+    with pytest.raises(SystemExit, match="serves one model name"):
+        check(Settings(model_name="SmolLM2-135M-Instruct,gpt-4"))
+    check(Settings(model_name="storyteller"))
+
+
 # Real processes
 
 LLAMA, GPT2 = "tiny-llama", "tiny-gpt2"  # each worker names its model after its directory

@@ -43,6 +43,11 @@ def check(settings: Settings) -> None:
     for name in ("block_size", "kv_memory", "max_batch_tokens", "prefill_chunk"):
         if getattr(settings, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
+    # A worker takes the jobs of one name, the queue of the one model it loads: a list here would be
+    # one odd name that no client asks for, and its worker would sit idle.
+    if "," in settings.model_name:
+        raise SystemExit(f"--model-name {settings.model_name!r}: a worker serves one model name, the "
+                         f"model it loads; for more names or models, start a worker for each")
 
 
 def make_engine(settings: Settings, loaded: model_loader.LoadedModel):
