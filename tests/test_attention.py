@@ -42,7 +42,7 @@ def make_step(dtype, rows=5, seed=0):
 
 @pytest.fixture(scope="module")
 def kernel():
-    module = kernels.paged_decode(Settings().cache_dir + "/kernels")
+    module = kernels.build(Settings().cache_dir + "/kernels")
     if module is None:
         pytest.fail("the C++ kernel did not build (g++ and ninja come with the test setup)")
     return module

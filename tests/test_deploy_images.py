@@ -185,7 +185,7 @@ def test_images_have_their_packages_only(images):
 
 
 def test_worker_image_can_build_the_kernel(images):
-    """What torch needs to compile worker/continuous/paged_decode.cpp at a worker's first start (the
+    """What torch needs to compile worker/continuous/csrc/kernels.cpp at a worker's first start (the
     image adds g++): torch's extension builder (which imports setuptools) and ninja."""
     image = images["worker_image"]
     done = subprocess.run([sys.executable, "-S", "-c", "import torch.utils.cpp_extension, ninja; print(ninja.BIN_DIR)"],

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from worker.continuous.weights import Q41, _unpack_q4_1, read_gguf
+from worker.continuous.weights import Q41, Q80, _unpack_q4_1, read_gguf
 from worker.model_loader import PACKAGED_FILE, packaged_model_dir
 
 Q4_1 = gguf.GGMLQuantizationType.Q4_1
@@ -161,6 +161,38 @@ def test_int4_kernel_matches_dequantized_matmul_in_bf16(ours, rows):
 
 
 @pytest.fixture(scope="module")
+def kernel():
+    from shared.settings import Settings
+    from worker.continuous import kernels
+    module = kernels.build(Settings().cache_dir + "/kernels")
+    if module is None:
+        pytest.fail("the C++ kernels did not build (g++ and ninja come with the test setup)")
+    return module
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rows", [1, 3, 8, 11])  # 11: more rows than the kernel does at once
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_byte_kernel_matches_the_files_exact_weights(ours, kernel, rows, dtype):
+    """The C++ kernel (csrc/quantized.h) on the file's Q4_1 layers and Q8_0 head, against a float64
+    product with the exactly dequantized weights: only float32 summation order (and, in bf16, the
+    input's and output's rounding) may differ."""
+    _, tensors = ours
+    layer = "model.layers.3."
+    fused_qkv = Q41.cat([tensors[layer + f"self_attn.{p}_proj.weight"] for p in "qkv"])
+    head = tensors["model.embed_tokens.weight"]
+    for w in (fused_qkv, tensors[layer + "mlp.down_proj.weight"], head):
+        n, k = w.shape
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        out = kernel.quantized_linear(x, w.q, w.d, w.m)
+        assert out.shape == (rows, n) and out.dtype == dtype
+        exact = x.double() @ w.dequantize().double().T
+        summing = 1e-5 * (x.double().abs() @ w.dequantize().double().abs().T)
+        rounding = BF16_HALF_ULP * exact.abs() if dtype == torch.bfloat16 else 0
+        assert ((out.double() - exact).abs() <= summing + rounding).all()
+
+
+@pytest.fixture(scope="module")
 def transformers_model():
     # transformers' own GGUF path: gguf's numpy dequantizer and its own q/k un-permutation (~17 s)
     model = AutoModelForCausalLM.from_pretrained(packaged_model_dir(), gguf_file=PACKAGED_FILE, dtype=torch.float32)
@@ -176,9 +208,10 @@ def test_state_dict_equals_transformers_gguf_load(ours, transformers_model):
     assert "lm_head.weight" not in tensors  # tied: the file has no output tensor, nor do we
     assert set(tensors) == set(expected) - {"lm_head.weight"}
     assert sum(isinstance(t, Q41) for t in tensors.values()) == 7 * config.num_hidden_layers
+    assert isinstance(tensors["model.embed_tokens.weight"], Q80)  # the head's blocks, kept for small steps
 
     for name, tensor in tensors.items():
-        if isinstance(tensor, Q41):
+        if isinstance(tensor, (Q41, Q80)):
             tensor = tensor.dequantize()
         assert tensor.dtype == torch.float32, name
         # The same float32 operations as gguf's dequantizer, so the values are identical, not close.

@@ -30,8 +30,9 @@ MIB = 1 << 20
 class ContinuousEngine:
     name = "continuous"
 
-    def __init__(self, loaded: LoadedModel, model, settings: Settings):
-        """`model`: compact model code (worker.continuous.models) holding the loaded weights."""
+    def __init__(self, loaded: LoadedModel, model, settings: Settings, kernel=None):
+        """`model`: compact model code (worker.continuous.models) holding the loaded weights;
+        `kernel`: the C++ kernels (worker.continuous.kernels), or None."""
         self.loaded = loaded
         size = settings.block_size
         blocks = settings.kv_blocks or max(1, settings.kv_memory * MIB // (size * KVCache.bytes_per_token(
@@ -49,8 +50,6 @@ class ContinuousEngine:
                                    settings.scheduler, margin, settings.prefill_chunk)
         cache = KVCache(model.layers, model.kv_heads, model.head_dim, blocks, size, loaded.dtype,
                         loaded.device)
-        kernel = kernels.paged_decode(os.path.join(settings.cache_dir, "kernels")) \
-            if loaded.device.type == "cpu" and settings.cache_dir else None
         self.runner = ModelRunner(model, cache, size, loaded.device, kernel)
         self.last_batch = 0  # sequences computed by the last step
         self.generated = 0  # tokens written, since start
@@ -183,6 +182,8 @@ def build(loaded: LoadedModel, settings: Settings, tensors: dict, config):
         log.warning("the continuous engine cannot run this model (%s): using the static engine on "
                     "transformers' classes instead", reason)
         return None
-    model = models.build(config, tensors, loaded.dtype, loaded.device,
-                         settings.int4_rows if loaded.device.type == "cpu" else 0, settings.int4_head)
-    return ContinuousEngine(loaded, model, settings)
+    cpu = loaded.device.type == "cpu"
+    kernel = kernels.build(os.path.join(settings.cache_dir, "kernels")) if cpu and settings.cache_dir else None
+    model = models.build(config, tensors, loaded.dtype, loaded.device, settings.int4_rows if cpu else 0,
+                         settings.int4_head, kernel)
+    return ContinuousEngine(loaded, model, settings, kernel)

@@ -1,4 +1,5 @@
-"""The C++ decode-attention kernel (paged_decode.cpp), built once by torch and cached on disk.
+"""The engine's C++ kernels (csrc/): decode attention over the paged cache and a whole Llama
+decode step, built once by torch and cached on disk.
 
 Built with the compiler torch's extensions use (g++ and ninja); the first start of a worker on a
 machine pays ~25 s for it, later starts load the cached library. Where it cannot be built, the
@@ -14,7 +15,7 @@ from typing import Optional
 
 log = logging.getLogger(__name__)
 
-SOURCE = os.path.join(os.path.dirname(__file__), "paged_decode.cpp")
+SOURCES = os.path.join(os.path.dirname(__file__), "csrc")
 # A build takes ~25 s here (minutes on a busy machine). torch's build lock is a bare file that a
 # killed build leaves behind, and torch waits on it forever: older than this, it is a dead one's.
 STALE_LOCK_S = 180
@@ -35,8 +36,8 @@ def _clear_stale_lock(build_dir: str) -> None:
 
 
 @lru_cache(maxsize=None)
-def paged_decode(build_dir: str = "") -> Optional[object]:
-    """The compiled module (with `.paged_decode`), or None where it cannot be built."""
+def build(build_dir: str = "") -> Optional[object]:
+    """The compiled module (`.paged_decode`, `.LlamaDecoder`), or None where it cannot be built."""
     if os.environ.get("STORYTELLER_NO_KERNELS"):
         return None
     try:
@@ -50,7 +51,8 @@ def paged_decode(build_dir: str = "") -> Optional[object]:
             build_dir = os.path.expanduser(build_dir)
             os.makedirs(build_dir, exist_ok=True)
             _clear_stale_lock(build_dir)
-        return load(name="storyteller_paged_decode", sources=[SOURCE], build_directory=build_dir or None,
+        return load(name="storyteller_kernels", sources=[os.path.join(SOURCES, "kernels.cpp")],
+                    extra_include_paths=[SOURCES], build_directory=build_dir or None,
                     extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, a read-only cache: torch's path still works

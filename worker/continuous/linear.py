@@ -1,56 +1,117 @@
-"""A linear layer that holds its weight twice: bf16 for big steps, 4-bit for small ones.
+"""A linear layer that holds its weight twice: dense for big steps, quantized for small ones.
 
-At a few tokens per step a decode is bound by memory bandwidth, and the 4-bit copy (the GGUF's
-own Q4_1 blocks, repacked for torch's int4 CPU kernel without changing a value) streams a quarter
-of the bytes. At many tokens per step it is bound by arithmetic, and the bf16 matrix product wins.
-The choice is made per call, by the number of rows.
+At a few tokens per step a decode is bound by memory bandwidth, and the GGUF's own quantized
+blocks (Q4_1 layers, the Q8_0 head) stream far fewer bytes than a dense copy. At many tokens per
+step it is bound by arithmetic, and the dense product wins. The choice is made per call, by the
+number of rows: up to `small_rows` (--int4-rows) take the quantized path.
 
-On the CPU the bf16 weight is stored pre-packed in oneDNN's blocked layout, the same kernel that
-torch.compile's freezing pass uses: measured here, 1.1-2x faster than F.linear on the same
+Two quantized kernels exist, and which is faster depends on the CPU, by a lot: torch's int4 kernel
+(the Q4_1 blocks repacked without changing a value: scale = d, zero = m + 8 d) is fast with
+AVX-512 and was 60x slower than float32 on an AVX2-only CPU here; the C++ kernel of this engine
+(csrc/quantized.h: a byte per weight, AVX2) runs anywhere. `small_kernel` times both once per
+process on a layer of SmolLM2's shape and keeps the faster, or none if neither beats the dense
+product.
+
+On the CPU in bf16 the dense weight is stored pre-packed in oneDNN's blocked layout, the same
+kernel that torch.compile's freezing pass uses: measured 1.1-2x faster than F.linear on the same
 weight, with no compile step. Float32 keeps F.linear, so the exactness tests compare like with like.
 """
 from __future__ import annotations
 
+import logging
+import time
+from functools import lru_cache
 from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
 
-from worker.continuous.weights import Q41
+from worker.continuous.weights import Q41, Q80, Quantized
 
-GROUP = 32  # Q4_1's block: one scale and one minimum per 32 weights of a row
+log = logging.getLogger(__name__)
+
+GROUP = 32  # Q4_1 and Q8_0 blocks: one scale (and minimum) per 32 weights of a row
 PACK_ROWS_HINT = 64  # oneDNN blocks the packed weight for steps of about this many rows
 
 
 class Linear:
-    def __init__(self, weight: Union[torch.Tensor, Q41], bias: Optional[torch.Tensor], dtype,
-                 device, int4_rows: int = 0):
-        quantized = isinstance(weight, Q41)
+    def __init__(self, weight: Union[torch.Tensor, Quantized], bias: Optional[torch.Tensor], dtype,
+                 device, small_rows: int = 0, kernel=None):
+        """`kernel`: the engine's C++ module (kernels.build), or None."""
+        quantized = isinstance(weight, (Q41, Q80))
         self.weight = (weight.dequantize() if quantized else weight).to(device=device, dtype=dtype)
         self.bias = None if bias is None else bias.to(device=device, dtype=dtype)
         self.out_features = self.weight.shape[0]
         self.onednn = device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
         if self.onednn:  # the plain copy is not kept: the packed one is all the products need
             self.weight = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_ROWS_HINT)
-        self.int4_rows = int4_rows if quantized and device.type == "cpu" else 0
-        self.packed = self.scales_zeros = None
-        if self.int4_rows:
+        self.small = small_kernel(kernel, dtype) if quantized and small_rows and device.type == "cpu" else None
+        if self.small == "int4" and not isinstance(weight, Q41):
+            self.small = None  # torch's int4 kernel takes 4-bit values only
+        self.small_rows = small_rows if self.small else 0
+        self.kernel = kernel
+        self.packed = self.scales_zeros = None  # torch's int4 layout
+        self.q = self.d = self.m = None  # the file's own: a byte per weight, a scale and minimum per group
+        if self.small == "int4":
             self.packed, self.scales_zeros = weight.pack_int4(dtype)
+        elif self.small == "bytes":
+            self.q, self.d, self.m = weight.q.contiguous(), weight.d.contiguous(), weight.m
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.int4_rows:
-            out = torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
+        if x.shape[0] <= self.small_rows:
+            if self.small == "int4":
+                out = torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
+            else:
+                out = self.kernel.quantized_linear(x, self.q, self.d, self.m)
             return out if self.bias is None else out + self.bias
         if self.onednn:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    def for_kernel(self):
+        """This layer as the C++ decoder holds it (sharing these tensors, not copying them)."""
+        small = {"int4": (1, self.packed, self.scales_zeros, None),
+                 "bytes": (2, self.q, self.d, self.m)}.get(self.small, (0, None, None, None))
+        return self.kernel.Linear(self.weight, self.onednn, small[0], *small[1:], self.small_rows)
+
+
+@lru_cache(maxsize=None)
+def small_kernel(kernel, dtype) -> Optional[str]:
+    """"int4" (torch's), "bytes" (ours) or None (dense is fastest): timed once on this CPU, at one row.
+
+    Timed on 16 layers of SmolLM2's MLP shape in turn, ~56 MB dense in float32: more than a CPU's
+    cache, so the weights stream from memory as a real step's do (a single layer that stays in
+    cache makes the dense product look as fast as the quantized ones)."""
+    gen = torch.Generator().manual_seed(0)
+    layers = [quantize_q4_1(torch.randn(1536, 576, generator=gen)) for _ in range(16)]
+    x = torch.randn(1, 576, dtype=dtype)
+    dense = [w.dequantize().to(dtype) for w in layers]
+    ways = {None: lambda: [F.linear(x, w) for w in dense]}
+    if hasattr(torch, "_weight_int4pack_mm_for_cpu"):
+        packed = [w.pack_int4(dtype) for w in layers]
+        ways["int4"] = lambda: [torch._weight_int4pack_mm_for_cpu(x, p, GROUP, sz) for p, sz in packed]
+    if kernel is not None and hasattr(kernel, "quantized_linear"):
+        ways["bytes"] = lambda: [kernel.quantized_linear(x, w.q, w.d, w.m) for w in layers]
+    times = {}
+    for name, run in ways.items():
+        run()
+        samples = []
+        for _ in range(5):
+            start = time.perf_counter()
+            run()
+            samples.append(time.perf_counter() - start)
+        times[name] = min(samples)  # the least disturbed run: other processes share the cores
+    best = min(times, key=times.get)
+    log.info("small steps' products: %s (16 layers at one row: %s)", best or "dense",
+             ", ".join(f"{name or 'dense'} {t * 1e3:.1f} ms" for name, t in times.items()))
+    return best
 
 
 def fuse(parts: list) -> Union[torch.Tensor, Q41]:
     """Weights stacked by output rows (QKV, gate and up): one matrix product instead of several."""
     if all(isinstance(p, Q41) for p in parts):
         return Q41.cat(parts)
-    return torch.cat([p.dequantize() if isinstance(p, Q41) else p for p in parts])
+    return torch.cat([p.dequantize() if isinstance(p, (Q41, Q80)) else p for p in parts])
 
 
 def quantize_q4_1(weight: torch.Tensor) -> Q41:

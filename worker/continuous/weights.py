@@ -2,8 +2,8 @@
 
 transformers can load the packaged SmolLM2 GGUF itself, but it dequantizes every block through numpy
 (about 17 s here) and throws the 4-bit form away. This module reads the same file in a fraction of a
-second and hands the Q4_1 matrices over still quantized, so the model can run torch's int4 kernel on
-the file's own blocks.
+second and hands the Q4_1 and Q8_0 matrices over still quantized, so the model can run small steps
+on the file's own blocks (linear.py).
 
 The header is parsed with transformers' own GGUF reader, which skips over the 98k tokenizer strings
 instead of building a numpy view per string the way `gguf.GGUFReader` does (2 s of its 2.2 s). The
@@ -14,6 +14,7 @@ checks it).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Union
 
 import gguf
 import numpy as np
@@ -79,6 +80,28 @@ class Q41:
         zero = self.m + 8 * self.d  # in float32, rounded to `dtype` once
         scales_and_zeros = torch.stack([self.d, zero], dim=-1).transpose(0, 1).to(dtype).contiguous()
         return packed, scales_and_zeros  # [N, K // 2] uint8, [K // 32, N, 2]
+
+
+@dataclass
+class Q80:
+    """A Q8_0 matrix (the GGUF's embedding table, tied to the output head), still quantized:
+    w[n, k] = d[n, k // 32] * q[n, k]."""
+
+    q: torch.Tensor  # int8 [N, K]
+    d: torch.Tensor  # float32 [N, K // 32]
+    m = None  # no minimum: Q8_0 is symmetric
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K]: the same float32 product as ggml's reference."""
+        rows, cols = self.shape
+        return (self.q.reshape(rows, cols // GROUP, GROUP).float() * self.d[..., None]).reshape(rows, cols)
+
+
+Quantized = Union[Q41, Q80]
 
 
 def read_gguf(path: str) -> tuple[transformers.PretrainedConfig, dict[str, torch.Tensor | Q41]]:
@@ -162,13 +185,13 @@ def _unpermute_rope_rows(heads: int, head_dim: int) -> np.ndarray:
     return np.arange(heads * head_dim).reshape(heads, head_dim // 2, 2).transpose(0, 2, 1).reshape(-1)
 
 
-def _decode(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> torch.Tensor | Q41:
-    """One tensor's bytes (uint8, a row of the tensor per row) as a Q41 or a float32 tensor of
+def _decode(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> torch.Tensor | Quantized:
+    """One tensor's bytes (uint8, a row of the tensor per row) as a Q41, a Q80 or a float32 tensor of
     `shape` (torch order), in memory of its own rather than the file's mapping."""
     if ggml_type == _Q4_1:
         return _unpack_q4_1(raw, *shape)
     if ggml_type == _Q8_0:
-        return _dequantize_q8_0(raw, *shape)
+        return _unpack_q8_0(raw, *shape)
     if ggml_type in (_F32, _F16):
         return torch.from_numpy(raw.view(_NUMPY_FLOAT[ggml_type]).astype(np.float32)).view(shape)
     if ggml_type == _BF16:  # numpy has no bfloat16: widen the bits to float32's by hand
@@ -190,8 +213,8 @@ def _unpack_q4_1(raw: np.ndarray, rows: int, cols: int) -> Q41:
     return Q41(q=torch.from_numpy(q).view(rows, cols), d=torch.from_numpy(d), m=torch.from_numpy(m))
 
 
-def _dequantize_q8_0(raw: np.ndarray, rows: int, cols: int) -> torch.Tensor:
+def _unpack_q8_0(raw: np.ndarray, rows: int, cols: int) -> Q80:
     blocks = raw.reshape(rows, cols // GROUP, _Q80_BLOCK)
-    d = blocks[..., 0:2].view(np.float16).astype(np.float32)  # [rows, blocks, 1]
-    q = blocks[..., 2:].view(np.int8).astype(np.float32)
-    return torch.from_numpy(q * d).view(rows, cols)  # the same float32 product as ggml's reference
+    d = blocks[..., 0:2].view(np.float16)[..., 0].astype(np.float32)  # [rows, blocks]
+    q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8)
+    return Q80(q=torch.from_numpy(q).view(rows, cols), d=torch.from_numpy(d))

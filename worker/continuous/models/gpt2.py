@@ -22,7 +22,8 @@ class GPT2:
             return "unscaled attention weights"
         return None
 
-    def __init__(self, config, tensors: dict, dtype, device, int4_rows: int = 0, int4_head: bool = False):
+    def __init__(self, config, tensors: dict, dtype, device, int4_rows: int = 0, int4_head: bool = False,
+                 kernel=None):
         self.heads = self.kv_heads = config.n_head
         self.head_dim = config.n_embd // config.n_head
         self.layers = config.n_layer
@@ -48,7 +49,7 @@ class GPT2:
         self.ln_f = (tensor("ln_f.weight"), tensor("ln_f.bias"))
         head = tensors.get("lm_head.weight", self.wte)
         head = quantize_q4_1(head.float()) if int4_head else head
-        self.head = Linear(head, None, dtype, device, int4_rows=1 << 30 if int4_head else 0)
+        self.head = Linear(head, None, dtype, device, 1 << 30 if int4_head else 0, kernel)
 
     def _norm(self, x, weights):
         return F.layer_norm(x, x.shape[-1:], weights[0], weights[1], self.eps)

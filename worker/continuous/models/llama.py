@@ -30,7 +30,8 @@ class Llama:
             return f"rope type {rope.get('rope_type')!r} depends on the sequence length"
         return None
 
-    def __init__(self, config, tensors: dict, dtype, device, int4_rows: int = 0, int4_head: bool = False):
+    def __init__(self, config, tensors: dict, dtype, device, int4_rows: int = 0, int4_head: bool = False,
+                 kernel=None):
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
@@ -43,7 +44,7 @@ class Llama:
             return tensors[name].to(device=device, dtype=dtype)
 
         def linear(names):
-            return Linear(fuse([tensors[n] for n in names]), None, dtype, device, int4_rows)
+            return Linear(fuse([tensors[n] for n in names]), None, dtype, device, int4_rows, kernel)
 
         self.embed = tensors["model.embed_tokens.weight"]
         self.embed = self.embed.dequantize() if hasattr(self.embed, "dequantize") else self.embed
@@ -59,18 +60,33 @@ class Llama:
                 gate_up=linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
                 down=linear([p + "mlp.down_proj.weight"])))
         self.norm = tensor("model.norm.weight")
-        head = tensors.get("lm_head.weight", self.embed)
+        # The file's own head, or the embedding (for SmolLM2 its Q8_0 blocks, kept for small steps).
+        head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
         head = quantize_q4_1(head.float()) if int4_head else head
-        self.head = Linear(head, None, dtype, device, int4_rows=1 << 30 if int4_head else 0)
+        self.head = Linear(head, None, dtype, device, 1 << 30 if int4_head else int4_rows, kernel)
 
         rotary = LlamaRotaryEmbedding(config)
         positions = torch.arange(config.max_position_embeddings)[None]
         cos, sin = rotary(torch.zeros((), dtype=dtype), positions)
-        self.cos, self.sin = cos[0].to(device), sin[0].to(device)  # [positions, head_dim]
+        self.cos, self.sin = cos[0].to(device).contiguous(), sin[0].to(device).contiguous()  # [positions, head_dim]
+        self.silu = config.hidden_act == "silu"
+        self.decoder = None  # the whole decode step in C++ (kernels.cpp), made at its first use
+
+    def _fused(self, kernel):
+        """The C++ decoder holding this model's weights (shared, not copied), or None if it can't run it."""
+        if self.decoder is None and kernel is not None and self.silu and hasattr(kernel, "LlamaDecoder"):
+            self.decoder = kernel.LlamaDecoder(self.heads, self.kv_heads, self.head_dim, self.eps)
+            for b in self.blocks:
+                self.decoder.add_layer(b["norm1"], b["qkv"].for_kernel(), b["o"].for_kernel(), b["norm2"],
+                                       b["gate_up"].for_kernel(), b["down"].for_kernel())
+        return self.decoder
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 step: StepLayout) -> torch.Tensor:
         x = self.embed.index_select(0, ids)  # not F.embedding: measured ~4.7 ms at 64 ids in bf16 here
+        if not step.chunks and step.kernel is not None and self._fused(step.kernel) is not None:
+            return self.decoder.forward(x, positions, self.cos, self.sin, cache.k, cache.v, step.slots,
+                                        step.decode_tables, step.decode_lengths, self.scale)
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
         tokens = ids.shape[0]
         k_end = (self.heads + self.kv_heads) * self.head_dim
