@@ -16,6 +16,7 @@ from typing import Optional
 import redis
 from flask import Flask, Response, jsonify, request
 from flask.json.provider import DefaultJSONProvider
+from redis.sentinel import SentinelConnectionPool
 from werkzeug.exceptions import HTTPException
 
 from api import auth, batches
@@ -27,7 +28,7 @@ from api.openapi import document
 from api.tokenizers import TokenizerCache
 from api.validation import CompletionRequest, check_max_tokens, parse_chat, parse_completion
 from shared.protocol import Failure, Final, Job, TextDelta, WorkerInfo
-from shared.redis_client import connect, explain
+from shared.redis_client import connect, explain, is_sentinel
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -142,15 +143,22 @@ def redis_client(settings: Settings) -> redis.Redis:
     the process (CLIENT LIST shows which process holds what).
     """
     # Short timeouts: with Redis down, a request must get its 503 in a second or two, not hang.
-    client = connect(settings.redis_url, socket_connect_timeout=1, socket_timeout=5,
-                     max_connections=settings.redis_connections,
-                     client_name=f"storyteller-api-{os.getpid()}")
-    pool = client.connection_pool
-    if type(pool) is not redis.ConnectionPool:
-        return client  # a pool of another kind (Sentinel's) keeps its own bound, and fails past it
+    options = dict(socket_connect_timeout=1, socket_timeout=5, max_connections=settings.redis_connections,
+                   client_name=f"storyteller-api-{os.getpid()}")
+    if is_sentinel(settings.redis_url):
+        # connect() hands these options to redis-py's Sentinel.master_for, which takes the pool's class.
+        return connect(settings.redis_url, connection_pool_class=_WaitingSentinelPool, timeout=POOL_WAIT_S,
+                       **options)
+    client = connect(settings.redis_url, **options)
+    pool = client.connection_pool  # redis-py's plain pool, which fails past its bound: made waiting
     return redis.Redis(connection_pool=redis.BlockingConnectionPool(
         max_connections=settings.redis_connections, timeout=POOL_WAIT_S,
         connection_class=pool.connection_class, **pool.connection_kwargs))
+
+
+class _WaitingSentinelPool(SentinelConnectionPool, redis.BlockingConnectionPool):
+    """Sentinel's pool of connections to the current primary that, past its bound, waits for a free
+    connection as BlockingConnectionPool does (redis-py has no such pool of its own)."""
 
 
 class _JsonProvider(DefaultJSONProvider):

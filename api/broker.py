@@ -34,8 +34,10 @@ WORKER_START_S = 10
 # survive it when Redis keeps them on disk) before it gives up with 503.
 REDIS_OUTAGE_S = 30
 REDIS_RETRY_S = 0.5
-# How long a request waits for Redis to confirm its subscriptions before its 503.
-SUBSCRIBE_WAIT_S = 2.0
+# How long a request waits for Redis to confirm its subscriptions before its 503: longer than a
+# connection of its own would need, as the confirmations of a crowd arriving at once queue up
+# behind each other on the process's one subscriber.
+SUBSCRIBE_WAIT_S = 5.0
 # The subscriber's longest wait on its connection: how often it looks whether it was reconnected.
 READ_WAIT_S = 1.0
 # A channel the subscriber always listens on, so its connection is never without a subscription

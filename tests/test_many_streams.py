@@ -5,6 +5,8 @@ worker that takes every job first and only then writes, a few words a second, to
 None may be refused or cut short, each must read its whole text, and the API process must keep to
 its bound on Redis connections (--redis-connections, default 32, its one pub/sub subscriber
 included) with 2,000 players waiting on it.
+
+Also, on its own: the process's one subscriber listens again when its connection is cut.
 """
 from __future__ import annotations
 
@@ -18,7 +20,9 @@ import httpx2
 import openai
 import psutil
 import pytest
+import redis
 
+from api.broker import RESUBSCRIBED, Subscriber
 from serve import free_port
 from shared import keys
 from shared.protocol import Final, TextDelta, encode_result
@@ -27,7 +31,7 @@ from tests.conftest import RedisServer
 from tests.processes import get_json, logs, start, stop, wait_until
 from tests.test_api_errors import MODEL, _register_worker
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 
 PLAYERS = 2000
 WORDS = 4          # each stream's text: WORDS pieces, then its final chunk
@@ -120,6 +124,7 @@ async def _crowd(port: int) -> list:
         return await asyncio.gather(*(player(i) for i in range(PLAYERS)), return_exceptions=True)
 
 
+@pytest.mark.slow
 def test_one_api_process_holds_2000_slow_streams_with_bounded_redis_connections(tmp_path):
     # A socket per player on this side too: lift the soft limit on open files (often 1024).
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -139,6 +144,7 @@ def test_one_api_process_holds_2000_slow_streams_with_bounded_redis_connections(
         seen["held_at"] = time.monotonic()
         seen["connections"] = _api_connections(server.client())
         seen["rss"] = {p.pid: p.memory_info().rss for p in gunicorn_procs}
+        seen["cpu_held"] = sum(sum(p.cpu_times()[:2]) for p in gunicorn_procs)
         seen["sockets"] = sum(1 for p in gunicorn_procs for c in p.net_connections("tcp")
                               if c.laddr.port == port and c.status == psutil.CONN_ESTABLISHED)
 
@@ -152,10 +158,13 @@ def test_one_api_process_holds_2000_slow_streams_with_bounded_redis_connections(
         refused = httpx2.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
                               json={"model": MODEL, "prompt": "dragon " * 100})
         assert refused.status_code == 400, refused.text
-        rss_idle = {p.pid: p.memory_info().rss for p in psutil.Process(api.pid).children()}
+        gunicorn_procs = psutil.Process(api.pid).children()
+        rss_idle = {p.pid: p.memory_info().rss for p in gunicorn_procs}
+        cpu_idle = sum(sum(p.cpu_times()[:2]) for p in gunicorn_procs)
         began = time.monotonic()
         results = asyncio.run(_crowd(port))
         took = time.monotonic() - began
+        cpu_end = sum(sum(p.cpu_times()[:2]) for p in gunicorn_procs)
         connections_after = _api_connections(server.client())
     finally:
         if worker:
@@ -184,4 +193,30 @@ def test_one_api_process_holds_2000_slow_streams_with_bounded_redis_connections(
           f"(all waiting {seen['held_at'] - began:.1f} s after the first request); Redis "
           f"connections of that process: {len(held)} (bound {CONNECTIONS_BOUND}), one pub/sub with "
           f"{subscriber['sub']} channels; memory {seen['rss'][gunicorn_pid] / 2**20:.0f} MiB "
-          f"({per_player / 1024:.0f} KiB per waiting player)")
+          f"({per_player / 1024:.0f} KiB per waiting player); API CPU {seen['cpu_held'] - cpu_idle:.1f} s "
+          f"to take the crowd in, {cpu_end - seen['cpu_held']:.1f} s to stream to it")
+
+
+def test_the_subscriber_listens_again_when_its_connection_is_cut(redis_server, real_redis):
+    subscriber = Subscriber(redis.Redis.from_url(redis_server.url, client_name="subscriber-under-test"))
+    channels = [keys.channel("cut-0").encode(), keys.channel("cut-1").encode()]
+    inbox = subscriber.listen(channels)  # returns once Redis confirmed both
+    assert real_redis.publish(channels[1], b"before") == 1
+    assert inbox.messages.get(timeout=5) == (channels[1], b"before")
+
+    (cut,) = [c for c in real_redis.client_list()
+              if c.get("name") == "subscriber-under-test" and int(c.get("sub", 0)) > 0]
+    real_redis.client_kill_filter(_id=cut["id"])
+    # Subscribed again, both channels confirmed: the request is told to read the stored answers.
+    assert inbox.messages.get(timeout=10) is RESUBSCRIBED
+    assert real_redis.publish(channels[0], b"after") == 1
+    assert inbox.messages.get(timeout=5) == (channels[0], b"after")
+
+    other = subscriber.listen([keys.channel("cut-2").encode()])  # the same one connection carries it
+    assert [int(c["sub"]) for c in real_redis.client_list() if c.get("name") == "subscriber-under-test"
+            and int(c.get("sub", 0)) > 0] == [4]  # its own channel, and three
+    subscriber.forget(inbox)
+    subscriber.forget(other)
+    wait_until(lambda: real_redis.pubsub_numsub(*channels) == [(channels[0], 0), (channels[1], 0)], [],
+               "the channels to be unsubscribed", timeout=5)
+    assert subscriber.channels == 0
