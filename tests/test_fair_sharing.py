@@ -128,7 +128,6 @@ def test_prompts_it_cannot_see_cost_it_little(llama, case):
     if case == "small cache":
         settings = replace(ENGINE, kv_blocks=64, prefix_caching=False)
     result = race(llama, settings, jobs)
-    print(case, result)
     takes, holds_all = result["takes"], result["holds all"]
     assert takes["held"] <= 0.05 * holds_all["held"]
     assert takes["steps"] <= 1.1 * holds_all["steps"]
