@@ -1,0 +1,81 @@
+"""The whole-step C++ decoder (csrc/kernels.cpp) computes what the Python layers compute.
+
+A tiny random Llama in float32, requests decoding at different context lengths: one step's hidden
+states through `LlamaDecoder.forward` against the same step through the Python layers (torch's
+operations plus the decode-attention kernel), and the cache each writes. The engine-level tests
+(test_continuous_engine.py) then check whole texts with the fused path on.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.protocol import Job, SamplingParams
+from shared.settings import Settings
+from worker.continuous import engine as continuous
+from worker.model_loader import load
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dirs):
+    loaded = load(tiny_model_dirs["llama"], dtype="float32", device="cpu")
+    engine = continuous.build(loaded, Settings(block_size=4, kv_blocks=256, max_batch_tokens=64, batch=0),
+                              loaded.model.state_dict(), loaded.model.config)
+    if engine.runner.kernel is None:
+        pytest.fail("the C++ kernels did not build (g++ and ninja come with the test setup)")
+    for i, length in enumerate([1, 5, 13, 30, 2, 17]):  # contexts spanning one to eight blocks
+        engine.add(Job(id=f"r{i}", model="m", prompt_ids=[10 + (7 * i + t) % 50 for t in range(length)],
+                       params=SamplingParams(max_tokens=50, temperature=0, ignore_eos=True), timeout_s=60))
+    for _ in range(100):  # until every prompt is in the cache: each request then decodes one token a step
+        running = engine.scheduler.running
+        if len(running) == 6 and all(r.computed == len(r.tokens) - 1 for r in running):
+            return engine
+        engine.step()
+    pytest.fail("the prompts were never all prefilled")
+
+
+def test_a_decode_step_in_cpp_equals_the_python_layers(engine):
+    runner, model = engine.runner, engine.runner.model
+    plan = engine.scheduler.schedule()
+    assert len(plan) == 6 and all(count == 1 for _, count in plan)
+    ids, positions, step, _, _ = runner._layout(plan)
+    assert not step.chunks and step.kernel is not None
+    cache = runner.cache
+    before_k, before_v = cache.k.clone(), cache.v.clone()
+    with torch.inference_mode():
+        fused = model.forward(ids, positions, cache, step).clone()
+        assert model.decoder is not None, "an all-decode step takes the C++ decoder"
+        fused_k, fused_v = cache.k.clone(), cache.v.clone()
+        cache.k.copy_(before_k)
+        cache.v.copy_(before_v)
+        decoder, model.decoder = model.decoder, None
+        model._fused = lambda kernel: None  # the Python layers, for this step only
+        try:
+            python = model.forward(ids, positions, cache, step)
+        finally:
+            del model._fused
+            model.decoder = decoder
+    assert fused.shape == python.shape
+    assert torch.allclose(fused, python, atol=1e-4, rtol=1e-4)
+    written = step.slots
+    for layer in range(cache.k.shape[0]):
+        flat = lambda c: c[layer].flatten(1, 2)[:, written]  # noqa: E731 - the step's slots only
+        assert torch.allclose(flat(fused_k), flat(cache.k), atol=1e-5)
+        assert torch.allclose(flat(fused_v), flat(cache.v), atol=1e-5)
+    assert torch.equal(model.logits(fused).argmax(-1), model.logits(python).argmax(-1))
+
+
+def test_steps_with_prefill_chunks_stay_on_the_python_layers(engine):
+    engine.add(Job(id="late", model="m", prompt_ids=list(range(10, 40)),
+                   params=SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), timeout_s=60))
+    plan = engine.scheduler.schedule()
+    _, _, step, _, _ = engine.runner._layout(plan)
+    assert step.chunks, "the newcomer's prompt is a chunk of this step"
+    calls = []
+    decoder = engine.runner.model.decoder
+    engine.runner.model.decoder = type("Spy", (), {"forward": lambda self, *a: calls.append(a)})()
+    try:
+        engine.runner.run(plan)
+    finally:
+        engine.runner.model.decoder = decoder
+    assert calls == []
