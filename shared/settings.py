@@ -79,8 +79,9 @@ class Settings:
     scheduler: str = _setting("fifo", "fifo (decodes, then ongoing prefills, then new requests) | "
                                       "prefill-first")
     prefix_caching: bool = _setting(True, "share the KV blocks of prompts that start alike")
-    int4_rows: int = _setting(8, "run the model's 4-bit (GGUF Q4_1) layers with the int4 kernel "
-                                 "when a step has at most this many tokens (0: never)")
+    int4_rows: int = _setting(8, "run the model's quantized layers (the GGUF's Q4_1 blocks and Q8_0 "
+                                 "head) on the quantized kernel this CPU runs fastest when a step "
+                                 "has at most this many tokens (0: never)")
     int4_head: bool = _setting(False, "also requantize the output head to 4 bits (faster, less "
                                       "exact)")
     torch_threads: int = _setting(0, "threads for the model's arithmetic (0: torch's choice, one "
