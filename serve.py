@@ -2,7 +2,8 @@
 
 Redis: the one at REDIS_URL if it answers; otherwise a redis-server started here when one is
 installed; otherwise an embedded stand-in (fakeredis' TCP server) inside this process. A redis-server
-started here gets REDIS_URL's password; for a rediss:// (TLS) or redis+sentinel:// URL nothing is started.
+started here gets REDIS_URL's password; for a rediss:// (TLS), redis+sentinel:// or redis+cluster:// URL
+nothing is started.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from urllib.parse import unquote, urlparse
 
 import redis
 
-from shared.redis_client import connect, explain, is_sentinel, masked
+from shared.redis_client import connect, explain, is_cluster, is_sentinel, masked
 from shared.settings import Settings
 
 READY_TIMEOUT_S = 300
@@ -43,6 +44,9 @@ def ensure_redis(url: str) -> tuple[str, list[subprocess.Popen]]:
     if is_sentinel(url):  # the primary is whichever server the sentinels name: not ours to start
         raise SystemExit(f"no Redis primary found through the sentinels at {masked(url)}, and serve.py "
                          f"starts no Sentinel setup: start yours (redis-sentinel), or give a redis:// URL")
+    if is_cluster(url):  # a cluster is several servers that know each other: not ours to make
+        raise SystemExit(f"no Redis Cluster node answers at {masked(url)}, and serve.py starts no "
+                         f"cluster: start yours (redis-cli --cluster create ...), or give a redis:// URL")
     parsed = urlparse(url)
     if parsed.scheme == "rediss":
         raise SystemExit(f"nothing answers at {masked(url)}, and serve.py starts no TLS Redis: start "
@@ -249,7 +253,8 @@ def main() -> None:
         value = getattr(args, name)
         if value is not None:
             env[Settings.env_name(name)] = str(int(value) if isinstance(value, bool) else value)
-    redis_url = env.get("REDIS_URL", settings.redis_url)
+    # As the children will read it (REDIS_CLUSTER=1 makes it a redis+cluster:// URL).
+    redis_url = Settings.from_env({**env, "REDIS_URL": env.get("REDIS_URL", settings.redis_url)}).redis_url
     env["REDIS_URL"] = redis_url
     if args.workers > 1 and not env.get("TORCH_THREADS"):
         # Workers on one machine share its cores: torch's threads wait on each other when two
@@ -276,8 +281,13 @@ def main() -> None:
         service.processes += started
         print(redis_note, flush=True)
         service.start([sys.executable, "-m", "api"], env)
-        # The batch API's RQ worker (batch/__main__.py), sending each batch's requests to this API.
-        service.start([sys.executable, "-m", "batch"], {"API_URL": base_url, **env})
+        # The batch API's RQ worker (batch/__main__.py), sending each batch's requests to this API;
+        # none with a Redis Cluster, which RQ does not work with (the API says so to a new batch).
+        if is_cluster(Settings.from_env(env).redis_url):
+            print("Redis Cluster: no batch worker (RQ does not work with a cluster; /v1/batches answers 501)",
+                  flush=True)
+        else:
+            service.start([sys.executable, "-m", "batch"], {"API_URL": base_url, **env})
         worker_ports, first_port = [], Settings.from_env(env).metrics_port
         for i in range(args.workers):
             worker_env = dict(env)

@@ -6,7 +6,9 @@
   GET  /v1/batches/{id}             status, request_counts, output_file_id, error_file_id, times
   POST /v1/batches/{id}/cancel      stop sending its requests; what was answered is kept
 
-A batch is one RQ job on keys.BATCH_QUEUE, which `python -m batch` runs (batch/job.py).
+A batch is one RQ job on keys.BATCH_QUEUE, which `python -m batch` runs (batch/job.py). RQ does not
+work with a Redis Cluster (its worker wants one server's connection pool, its keys no hash tags):
+there, files still upload, but a new batch is refused with 501.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from api.errors import ApiError, bad_request
 from api.file_store import PURPOSE_INPUT, FileStore
 from api.validation import get_field
 from shared import keys
+from shared.redis_client import is_cluster_client
 from shared.settings import Settings
 
 MULTIPART_SLACK = 64 * 1024  # a multipart body is the file plus its boundaries and other fields
@@ -88,6 +91,10 @@ def blueprint(settings: Settings, client: redis.Redis) -> Blueprint:
 
     @bp.post("/v1/batches")
     def create_batch():
+        if is_cluster_client(client):
+            raise ApiError(501, "batches run on RQ, which does not work with a Redis Cluster: run the batch "
+                                "API against one Redis (or Sentinel), or send the requests to /v1 yourself",
+                           code="unsupported_with_redis_cluster")
         body = request.get_json(force=True, silent=True)
         if not isinstance(body, dict):
             raise bad_request("the body must be a JSON object: {\"input_file_id\", \"endpoint\", "

@@ -7,7 +7,7 @@ from flask import jsonify
 
 _TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
           401: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
-          429: "rate_limit_error", 500: "server_error", 503: "service_unavailable",
+          429: "rate_limit_error", 500: "server_error", 501: "server_error", 503: "service_unavailable",
           504: "timeout"}
 
 

@@ -63,6 +63,8 @@ def _responses() -> dict:
             "too many requests this minute (`code`: `rate_limit_exceeded`). Retry after the header's "
             "seconds.", retry_after="required"),
         "ServerError": _error_response("The worker failed to write the answer, or an unexpected error."),
+        "NotImplemented": _error_response("Not with this Redis: batches run on RQ, which does not work "
+                                          "with a Redis Cluster (`code`: `unsupported_with_redis_cluster`)."),
         "Unavailable": _error_response(
             "Redis is unreachable, no worker is running, or the model's workers went away "
             "(`code`: `service_unavailable`).", retry_after="optional"),
@@ -222,7 +224,8 @@ def _event(chunk_schema: str) -> dict:
 
 
 _ERRORS = {"400": "BadRequest", "401": "Unauthorized", "404": "NotFound", "409": "Conflict",
-           "413": "PayloadTooLarge", "429": "TooManyRequests", "500": "ServerError", "503": "Unavailable",
+           "413": "PayloadTooLarge", "429": "TooManyRequests", "500": "ServerError", "501": "NotImplemented",
+           "503": "Unavailable",
            "504": "Timeout"}
 
 
@@ -267,7 +270,7 @@ def _batch_paths() -> dict:
             "delete": _v1("Delete a file", _json("FileDeleted"), "404", path_id="file_id")},
         "/v1/files/{file_id}/content": {"get": _v1(
             "A file's bytes", {"application/jsonl": {"schema": {"type": "string"}}}, "404", path_id="file_id")},
-        "/v1/batches": {"post": _v1("Run a file's requests", _json("Batch"), "400 413",
+        "/v1/batches": {"post": _v1("Run a file's requests", _json("Batch"), "400 413 501",
                                     body=_json("BatchRequest"))},
         "/v1/batches/{batch_id}": {"get": _v1("A batch's status and files", _json("Batch"), "404",
                                               path_id="batch_id")},

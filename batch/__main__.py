@@ -13,10 +13,11 @@ from rq import Queue, Worker
 
 from batch import job
 from shared import keys
-from shared.redis_client import connect, masked
+from shared.redis_client import connect, is_cluster, masked
 from shared.settings import Settings
 
-FLAGS = ["redis_url", "api_url", "batch_concurrency", "files_dir", "request_timeout", "api_keys", "api_keys_file"]
+FLAGS = ["redis_url", "redis_cluster", "api_url", "batch_concurrency", "files_dir", "request_timeout", "api_keys",
+         "api_keys_file"]
 # How soon a batch whose RQ worker died runs again: its job's heartbeat outlives the worker by 90 s
 # (RQ's), then another worker finds it when it next looks: after a job, or on waking while idle
 # (every ~7 minutes, RQ's worker TTL), at most once a minute here (RQ's default: 10 minutes).
@@ -29,6 +30,9 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for chatty in ("httpx", "httpx2"):  # a line per request sent: the batch job logs what matters
         logging.getLogger(chatty).setLevel(logging.WARNING)
+    if is_cluster(settings.redis_url):  # RQ's worker wants one server's connection pool
+        raise SystemExit(f"batch: RQ does not work with a Redis Cluster ({masked(settings.redis_url)}): "
+                         f"the batch API needs one Redis or Sentinel")
     job.configure(settings)  # before RQ forks a process per job, which inherits it
     connection = connect(settings.redis_url)
     worker = Worker([Queue(keys.BATCH_QUEUE, connection=connection)], connection=connection,

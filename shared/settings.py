@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Optional, Sequence
 
-from shared.redis_client import masked
+from shared.redis_client import as_cluster, masked
 
 
 def _setting(default, help: str, flag: Optional[str] = None, env: Optional[str] = None, secret: bool = False):
@@ -22,6 +22,8 @@ def _setting(default, help: str, flag: Optional[str] = None, env: Optional[str] 
 @dataclass(frozen=True)
 class Settings:
     redis_url: str = _setting("redis://127.0.0.1:6379/0", "Redis that carries jobs and results")
+    redis_cluster: bool = _setting(False, "REDIS_URL is a node of a Redis Cluster (as a "
+                                          "redis+cluster:// URL says)")
 
     # The API
     host: str = _setting("127.0.0.1", "address the API listens on (0.0.0.0 in a container)")
@@ -103,6 +105,12 @@ class Settings:
     heartbeat_ttl_s: float = _setting(3.0, "seconds without a heartbeat after which a worker is dead")
     answer_ttl_s: int = _setting(300, "seconds a final answer stays readable in Redis")
 
+    def __post_init__(self):
+        # REDIS_CLUSTER=1 turns the URL into its redis+cluster:// form, which is all that the code
+        # reading the URL looks at (shared/redis_client.py), so every process treats it alike.
+        if self.redis_cluster:
+            object.__setattr__(self, "redis_url", as_cluster(self.redis_url))
+
     def __repr__(self) -> str:  # in place of the dataclass's, which would print keys and passwords
         shown = ", ".join(f"{f.name}={_shown(f, getattr(self, f.name))}" for f in fields(self))
         return f"Settings({shown})"
@@ -119,7 +127,10 @@ class Settings:
             except ValueError:
                 raise SystemExit(f"{_env_name(f)}={_shown(f, raw)}: expected {type(f.default).__name__} "
                                  f"({f.metadata['help']})")
-        return cls(**values)
+        try:
+            return cls(**values)
+        except ValueError as exc:  # settings that do not go together (REDIS_CLUSTER=1 with a Sentinel URL)
+            raise SystemExit(str(exc))
 
     @classmethod
     def parse(cls, argv: Optional[Sequence[str]], flags: Sequence[str], description: str) -> "Settings":
@@ -128,7 +139,10 @@ class Settings:
         parser = argparse.ArgumentParser(description=description)
         base.add_flags(parser, flags)
         given = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None and k in flags}
-        return replace(base, **given)
+        try:
+            return replace(base, **given)
+        except ValueError as exc:
+            parser.error(str(exc))
 
     def add_flags(self, parser: argparse.ArgumentParser, flags: Sequence[str]) -> None:
         """A flag per named field, its help showing the env variable and this value as default."""

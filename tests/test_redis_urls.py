@@ -1,5 +1,6 @@
-"""REDIS_URL's Sentinel form: parsing, the password never shown, the client it makes, serve.py's
-refusal to start a Redis for it. (No server here: tests/test_sentinel.py runs real ones.)"""
+"""REDIS_URL's Sentinel and Cluster forms: parsing, the password never shown, the client it makes,
+serve.py's refusal to start a Redis for it. (No server here: tests/test_sentinel.py and
+tests/test_cluster.py run real ones.)"""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +8,9 @@ import redis
 from redis.sentinel import SentinelConnectionPool
 
 from serve import ensure_redis, free_port
-from shared.redis_client import SENTINEL_TIMEOUT_S, SentinelURL, connect, is_sentinel, masked, parse_sentinel
+from shared.redis_client import (SENTINEL_TIMEOUT_S, ClusterURL, SentinelURL, as_cluster, connect, is_cluster,
+                                 is_sentinel, masked, parse_cluster, parse_sentinel)
+from shared.settings import Settings
 
 PASSWORD = "s3cret-Pa55 word"
 QUOTED = PASSWORD.replace(" ", "%20")
@@ -99,3 +102,63 @@ def test_no_sentinel_answering_is_a_connection_error_and_serve_starts_nothing():
     with pytest.raises(SystemExit) as caught:
         ensure_redis(url)
     assert "Sentinel" in str(caught.value) and ":***@" in str(caught.value) and "s3cret" not in str(caught.value)
+
+
+@pytest.mark.parametrize("url, expected", [
+    ("redis+cluster://h:7000", ClusterURL((("h", 7000),), "redis://h:7000/0")),
+    ("redis+cluster://a, b:7001 ,c/0", ClusterURL((("a", 6379), ("b", 7001), ("c", 6379)), "redis://a:6379/0")),
+    (f"redis+cluster://game:{QUOTED}@10.0.0.5:7000,10.0.0.6:7000/",
+     ClusterURL((("10.0.0.5", 7000), ("10.0.0.6", 7000)), f"redis://game:{QUOTED}@10.0.0.5:7000/0")),
+    ("rediss+cluster://[::1]:7000,h?ssl_ca_certs=/ca.pem",
+     ClusterURL((("::1", 7000), ("h", 6379)), "rediss://[::1]:7000/0?ssl_ca_certs=/ca.pem")),
+    ("REDIS+CLUSTER://h", ClusterURL((("h", 6379),), "redis://h:6379/0")),
+])
+def test_a_cluster_url_names_where_to_start_and_one_nodes_plain_url(url, expected):
+    assert is_cluster(url) and not is_sentinel(url)
+    assert parse_cluster(url) == expected
+
+
+@pytest.mark.parametrize("url, words", [
+    ("redis+cluster:///0", "no cluster node"),
+    ("redis+cluster://h/1", "database 0 only"),
+    (f"redis+cluster://:{QUOTED}@h?db=2", "database 0 only"),
+    (f"redis+cluster://:{QUOTED}@h:port", "bad cluster node address"),
+])
+def test_a_malformed_cluster_url_is_refused_without_its_password(url, words):
+    with pytest.raises(ValueError) as caught:
+        connect(url)
+    assert words in str(caught.value) and "s3cret" not in str(caught.value)
+
+
+def test_a_cluster_urls_password_is_masked_and_its_repr_shows_none():
+    url = f"rediss+cluster://game:{QUOTED}@h1:7000,h2:7000/0?ssl_password={QUOTED}"
+    assert masked(url) == "rediss+cluster://game:***@h1:7000,h2:7000/0?ssl_password=***"
+    assert "s3cret" not in repr(parse_cluster(url)) and "h1:7000,h2:7000" in repr(parse_cluster(url))
+
+
+def test_redis_cluster_1_turns_a_nodes_url_into_a_cluster_url(monkeypatch):
+    assert as_cluster("redis://:pw@h:7000/0") == "redis+cluster://:pw@h:7000/0"
+    assert as_cluster("rediss://h:7000") == "rediss+cluster://h:7000"
+    assert as_cluster("redis+cluster://h") == "redis+cluster://h"
+    monkeypatch.setenv("REDIS_URL", "redis://h:7000/0")
+    monkeypatch.setenv("REDIS_CLUSTER", "1")
+    assert Settings.from_env().redis_url == "redis+cluster://h:7000/0"
+    assert Settings.parse(["--redis-url", "redis://g:1"], ["redis_url"], "").redis_url == "redis+cluster://g:1"
+    monkeypatch.setenv("REDIS_CLUSTER", "0")
+    assert Settings.from_env().redis_url == "redis://h:7000/0"
+    monkeypatch.setenv("REDIS_CLUSTER", "yes")
+    monkeypatch.setenv("REDIS_URL", f"redis+sentinel://:{QUOTED}@h/m")
+    with pytest.raises(SystemExit) as caught:
+        Settings.from_env()
+    assert "REDIS_CLUSTER=1" in str(caught.value) and "s3cret" not in str(caught.value)
+
+
+@pytest.mark.timeout(30)
+def test_no_cluster_node_answering_is_a_connection_error_and_serve_starts_nothing():
+    url = f"redis+cluster://:{QUOTED}@127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
+    with pytest.raises(redis.ConnectionError) as caught:
+        connect(url, socket_connect_timeout=1)
+    assert ":***@" in str(caught.value) and "s3cret" not in str(caught.value)
+    with pytest.raises(SystemExit) as caught:
+        ensure_redis(url)
+    assert "Cluster" in str(caught.value) and ":***@" in str(caught.value) and "s3cret" not in str(caught.value)

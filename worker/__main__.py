@@ -20,7 +20,7 @@ from worker.job_queue import JobQueue
 from worker.static_engine import StaticEngine
 from worker.worker import Worker
 
-FLAGS = ["redis_url", "model", "model_name", "engine", "batch", "wait_ms", "dtype", "device",
+FLAGS = ["redis_url", "redis_cluster", "model", "model_name", "engine", "batch", "wait_ms", "dtype", "device",
          "block_size", "kv_blocks", "kv_memory", "max_batch_tokens", "prefill_chunk", "scheduler", "prefix_caching",
          "int4_rows", "int4_head", "torch_threads", "cache_dir", "max_attempts", "metrics_port"]
 STATIC_DEFAULT_BATCH = 64
@@ -72,9 +72,10 @@ def main(argv=None) -> None:
     started = time.monotonic()
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
-    client = connect(settings.redis_url, socket_connect_timeout=5, socket_timeout=REDIS_TIMEOUT_S,
-                     socket_keepalive=True)
     try:
+        # (A cluster's client reads the cluster's layout as it is made: that fails here too.)
+        client = connect(settings.redis_url, socket_connect_timeout=5, socket_timeout=REDIS_TIMEOUT_S,
+                         socket_keepalive=True)
         client.ping()  # fail now, with a clear error, rather than after loading the model
     except redis.RedisError as exc:
         raise SystemExit(f"worker: cannot use Redis at {masked(settings.redis_url)}: {explain(exc)}")

@@ -55,7 +55,7 @@ def problem(settings: Settings, host: str) -> Optional[str]:
 
 
 def main(argv=None) -> None:
-    settings = Settings.parse(argv, ["redis_url", "metrics_port"],
+    settings = Settings.parse(argv, ["redis_url", "redis_cluster", "metrics_port"],
                               "Exit 0 when a worker on this host is serving (a container's health check)")
     reason = problem(settings, socket.gethostname())
     if reason:
