@@ -78,10 +78,10 @@ def main(argv=None) -> None:
 
 def _raise_open_files(settings: Settings) -> None:
     """Each held player is a socket: lift the soft limit on open files (often 1024) as far as the
-    hard limit allows, for the gunicorn processes forked from this one."""
+    hard limit allows, for the gunicorn processes forked from this one (the limit is per process)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     players = settings.api_connections if settings.api_worker_class == "gevent" else settings.threads
-    want = settings.api_workers * (players + settings.redis_connections) + 256
+    want = players + settings.redis_connections + 256  # and the listening socket, logs, metrics files
     if soft != resource.RLIM_INFINITY and soft < want:
         new = want if hard == resource.RLIM_INFINITY else min(want, hard)
         resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))

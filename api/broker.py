@@ -40,6 +40,11 @@ REDIS_RETRY_S = 0.5
 SUBSCRIBE_WAIT_S = 5.0
 # The subscriber's longest wait on its connection: how often it looks whether it was reconnected.
 READ_WAIT_S = 1.0
+# A link cut without a reset (a network partition) leaves a quiet connection that neither reads nor
+# fails: after this long without a word from Redis the subscriber sends a PING, and connects again
+# if no answer comes within PONG_WAIT_S. (A request's other reads time out on their own.)
+PING_AFTER_S = 5.0
+PONG_WAIT_S = 5.0
 # A channel the subscriber always listens on, so its connection is never without a subscription
 # (redis-py reads nothing from a pub/sub connection that has none).
 HOME_CHANNEL = f"{keys.PREFIX}:api-subscriber"
@@ -153,6 +158,7 @@ class Subscriber:
         self._generation = 0
         self._reader: Optional[threading.Thread] = None
         self._reader_pid = 0
+        self._suspect = False
 
     def listen(self, channels: list[bytes]) -> Inbox:
         """An inbox for `channels`, once Redis has confirmed that it sends them to this process."""
@@ -168,6 +174,7 @@ class Subscriber:
                     pass  # the reader finds the link broken and subscribes every route again
         if not inbox.subscribed.wait(SUBSCRIBE_WAIT_S):
             self.forget(inbox)
+            self._suspect = True  # the reader asks its connection for a sign of life now
             raise redis.ConnectionError("Redis did not confirm the subscription in time")
         return inbox
 
@@ -200,12 +207,22 @@ class Subscriber:
             try:
                 if pubsub is None:
                     pubsub = self._connect()
-                    connects = pubsub.connects
+                    connects, heard_at, pinged_at = pubsub.connects, time.monotonic(), None
                 message = pubsub.get_message(timeout=READ_WAIT_S)
                 if pubsub.connects > connects:  # redis-py reconnected by itself: no subscriptions
                     raise redis.ConnectionError("the subscriber's connection was re-established")
-                if message is not None:
+                now = time.monotonic()
+                if message is not None:  # any word from Redis (a pong too): the link is alive
+                    heard_at, pinged_at = now, None
                     self._route(message)
+                elif pinged_at is not None:
+                    if now - pinged_at > PONG_WAIT_S:
+                        raise redis.ConnectionError("the subscriber's connection did not answer a PING")
+                elif now - heard_at > PING_AFTER_S or self._suspect:
+                    self._suspect = False
+                    with self._lock:
+                        pubsub.ping()
+                    pinged_at = now
             except Exception as exc:  # noqa: BLE001 - the reader must outlive anything
                 if not isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
                     log.exception("the Redis subscriber failed; connecting again")

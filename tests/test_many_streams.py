@@ -6,7 +6,8 @@ None may be refused or cut short, each must read its whole text, and the API pro
 its bound on Redis connections (--redis-connections, default 32, its one pub/sub subscriber
 included) with 2,000 players waiting on it.
 
-Also, on its own: the process's one subscriber listens again when its connection is cut.
+Also, on its own: the process's one subscriber listens again when its connection is cut, or goes
+quiet.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import psutil
 import pytest
 import redis
 
+from api import broker
 from api.broker import RESUBSCRIBED, Subscriber
 from serve import free_port
 from shared import keys
@@ -220,3 +222,25 @@ def test_the_subscriber_listens_again_when_its_connection_is_cut(redis_server, r
     wait_until(lambda: real_redis.pubsub_numsub(*channels) == [(channels[0], 0), (channels[1], 0)], [],
                "the channels to be unsubscribed", timeout=5)
     assert subscriber.channels == 0
+
+
+def _subscriber_ids(client, name: str) -> list[int]:
+    return [c["id"] for c in client.client_list() if c.get("name") == name and int(c.get("sub", 0)) > 0]
+
+
+def test_the_subscriber_connects_again_when_its_link_goes_quiet(redis_server, real_redis, monkeypatch):
+    # A partition leaves a connection that neither answers nor fails; here Redis reads nothing from
+    # its clients for a while (CLIENT PAUSE), which looks the same from the subscriber's side.
+    monkeypatch.setattr(broker, "PING_AFTER_S", 0.5)
+    monkeypatch.setattr(broker, "PONG_WAIT_S", 1.0)
+    subscriber = Subscriber(redis.Redis.from_url(redis_server.url, client_name="quiet-subscriber"))
+    channel = keys.channel("quiet-0").encode()
+    inbox = subscriber.listen([channel])
+    (before,) = _subscriber_ids(real_redis, "quiet-subscriber")
+    real_redis.client_pause(6000)
+    assert inbox.messages.get(timeout=20) is RESUBSCRIBED  # a new connection, once Redis reads again
+    (after,) = _subscriber_ids(real_redis, "quiet-subscriber")
+    assert after != before
+    assert real_redis.publish(channel, b"still here") == 1
+    assert inbox.messages.get(timeout=5) == (channel, b"still here")
+    subscriber.forget(inbox)
