@@ -49,7 +49,8 @@ def test_a_stopping_worker_whose_redis_is_gone_leaves_after_a_while(monkeypatch)
                       dtype="float32", tokenizer_digest="x", pid=1, host="h", started=0.0)
     queue = RedisGone()
     worker = Worker(queue, IdleEngine(), info, Settings(heartbeat_s=0.05))
-    worker._unpublished = [SimpleNamespace(finished=True)]  # an answer it could not send before Redis went
+    # An answer it could not send before Redis went.
+    worker._unpublished = [SimpleNamespace(id="job-0", finished=True, finish_reason="length")]
     worker.stop()
     done = threading.Event()
     threading.Thread(target=lambda: (worker.run(), done.set()), daemon=True).start()

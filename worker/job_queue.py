@@ -7,6 +7,10 @@ to put back (`requeue_dead_workers`).
 A worker that is only cut off from Redis looks dead too, and its jobs go to others; each job's lease
 (keys.lease: the id of the worker that took it) tells it, once its link is back, which jobs are no
 longer its own: publishing checks the lease in the same script, so it sends nothing for them.
+
+A take can run in Redis without its reply reaching the worker (a timeout, a cut link): its jobs
+then sit in the worker's processing list under its lease, unknown to it. The worker looks there
+about once a heartbeat (`adopt_stranded`) and runs them, or puts them back for another worker.
 """
 from __future__ import annotations
 
@@ -153,6 +157,52 @@ return lost
 """
 
 
+# The jobs in this worker's processing list (KEYS[1]) that it does not hold (ARGV[4...]: the ids it
+# holds) and that are leased to it (ARGV[2]; ARGV[1] the lease prefix), or have no id to lease:
+# only a take whose reply never reached the worker puts such jobs there. Each with the deaths its
+# job has cost workers so far (ARGV[3] the attempts prefix), which tell a last retry.
+# Returns {job JSON, deaths, ...}.
+_STRANDED = """
+local held = {}
+for i = 4, #ARGV do held[ARGV[i]] = true end
+local found = {}
+for _, raw in ipairs(redis.call('LRANGE', KEYS[1], 0, -1)) do
+  local id = string.match(raw, '^{"id":"([^"]*)"')
+  if not id then
+    found[#found + 1] = raw
+    found[#found + 1] = 0
+  elseif not held[id] and redis.call('GET', ARGV[1] .. id) == ARGV[2] then
+    found[#found + 1] = raw
+    found[#found + 1] = tonumber(redis.call('GET', ARGV[3] .. id) or '0')
+  end
+end
+return found
+"""
+
+# Put stranded jobs this worker has no room for back at the front of their queues, the last one
+# first so they keep their order, and wake a worker. Only while the lease still names this worker
+# (ARGV[1]), and only a job still in its processing list (KEYS[1]): a worker that was struck off
+# meanwhile puts nothing back, and a copy of this script that runs again (its reply lost too)
+# finds nothing left to move, so no job is ever queued twice.
+# KEYS: the processing list, the model's wake list. ARGV: the worker's id, the lease and queue
+# prefixes, then the jobs' JSON in the order they were taken. Returns how many went back.
+_PUT_BACK = """
+local back = 0
+for i = #ARGV, 4, -1 do
+  local raw = ARGV[i]
+  local id = string.match(raw, '^{"id":"([^"]*)"') or ''
+  if redis.call('GET', ARGV[2] .. id) == ARGV[1] and redis.call('LREM', KEYS[1], 1, raw) == 1 then
+    local priority = string.match(raw, '"priority":(-?%d+)}$') or '0'
+    redis.call('LPUSH', ARGV[3] .. priority, raw)
+    redis.call('DEL', ARGV[2] .. id)
+    back = back + 1
+  end
+end
+if back > 0 then redis.call('LPUSH', KEYS[2], '1') end
+return back
+"""
+
+
 class Published(NamedTuple):
     finished: list[Sequence]  # answered, and done
     lost: list[Sequence]  # another worker holds their jobs now: cancelled, nothing was sent
@@ -172,6 +222,8 @@ class JobQueue:
         self._take_script = client.register_script(_TAKE)
         self._requeue_script = client.register_script(_REQUEUE)
         self._publish_script = client.register_script(_PUBLISH)
+        self._stranded_script = client.register_script(_STRANDED)
+        self._put_back_script = client.register_script(_PUT_BACK)
         self._registered = False  # a heartbeat has put this worker in keys.WORKERS
         self._raw: dict[str, bytes] = {}  # job id -> its exact JSON, which LREM needs
         # Dead workers' jobs this worker put back / failed after max_attempts, by model (/metrics).
@@ -214,6 +266,43 @@ class JobQueue:
         if isolated:
             self.isolated.add(_job_id(raws[0]))
         return raws
+
+    def adopt_stranded(self, held: Iterable[str], room: int, alone_ok: bool = True) -> list[Job]:
+        """Jobs that a take moved into this worker's processing list, leased to it, without its reply
+        ever reaching it (a socket timeout while Redis stalled, a link cut with the take in flight, a
+        take sent again after the first was given up on): nobody else would ever look at them while
+        this worker's heartbeat lives, and their clients would wait until their deadline.
+
+        `held`: the ids of the jobs this worker holds (they are left alone). Up to `room` of the
+        others are returned, to be run as if just taken; a job on its last retry only alone
+        (`alone_ok`: the worker holds nothing), as `take` would. The rest go back to the front of
+        their queues for any worker, unless the worker lost their lease meanwhile."""
+        found = self._stranded_script(
+            keys=[self._processing], args=[keys.lease(""), self.worker_id, keys.attempts(""), *held])
+        adopted, back, alone = [], [], False
+        for raw, deaths in zip(found[::2], found[1::2]):
+            job = self._parse(raw)  # a malformed one is dropped, as a take drops it
+            if job is None:
+                continue
+            last_retry = 0 < self.max_attempts <= deaths
+            if alone or len(adopted) >= room or (last_retry and (adopted or not alone_ok)):
+                back.append(self._raw.pop(job.id))
+                continue
+            adopted.append(job)
+            if last_retry:
+                alone = True
+                self.isolated.add(job.id)
+        returned = 0
+        if back:
+            returned = self._put_back_script(
+                keys=[self._processing, self._wake],
+                args=[self.worker_id, keys.lease(""), keys.queue_prefix(self.model), *back])
+        if adopted or back:
+            log.warning("found %d job(s) in this worker's processing list that a take had put there "
+                        "without its reply reaching the worker: %d run here, %d back in the queue (%s)",
+                        len(adopted) + len(back), len(adopted), returned,
+                        ", ".join([j.id for j in adopted] + [_job_id(r) for r in back]))
+        return adopted
 
     def _wait_for_work(self, block_s: float) -> None:
         """Block until the API pushes something (it adds a token to the wake list) or block_s."""

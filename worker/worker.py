@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 from dataclasses import replace
+from typing import Optional
 
 import redis
 
@@ -56,6 +57,10 @@ class Worker:
         # Set by the heartbeat: this worker was declared dead while cut off from Redis, and some of
         # what it holds may be other workers' now. The loop checks the leases (the engine is its own).
         self._struck_off = threading.Event()
+        # Set by each heartbeat, and by a Redis error in the loop: look for jobs a take left in this
+        # worker's processing list without its reply reaching it (the loop adopts them, in its thread,
+        # so that what it holds and publishes cannot change under the look).
+        self._stranded_due = threading.Event()
         self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
         self._crash_on = [int(t) for t in settings.crash_on_prompt.split(",")] if settings.crash_on_prompt else None
 
@@ -94,11 +99,16 @@ class Worker:
                                   len(self._unpublished) + len(self.engine.sequences()))
                         break
                     log.warning("Redis unreachable (%s): trying again in %g s", exc, REDIS_RETRY_S)
+                    self._stranded_due.set()  # a take may have run without its reply reaching us
                     time.sleep(REDIS_RETRY_S)
         finally:
             self._left.set()
             self._heartbeat.join()
             try:
+                if redis_lost_since is None:
+                    # Stranded jobs go back to the queue now, not once another worker finds this one
+                    # dead (which would count against them as a death).
+                    self._adopt_stranded(room=0)
                 self.queue.leave()
             except redis.RedisError as exc:  # Redis went first; our heartbeat expires on its own
                 log.warning("could not sign off: %s", exc)
@@ -109,6 +119,8 @@ class Worker:
         would not start stays in Redis, where a worker with room takes it, instead of waiting inside
         this one. The engine's count is a guess until it holds the jobs and sees their prompts, so
         it is asked again after each take, a few times at most."""
+        if self._stranded_due.is_set():
+            self._adopt_stranded()
         idle = not self.engine.busy
         # Idle, it blocks for a first job, then waits up to --wait for the batch to fill (over all
         # the rounds). Busy, it must not wait for Redis: it takes whatever is there, between steps.
@@ -124,6 +136,23 @@ class Worker:
             if len(taken) < room:  # the queue is empty
                 return
             block = 0
+
+    def _adopt_stranded(self, room: Optional[int] = None) -> None:
+        """Run the jobs that a take whose reply was lost left in this worker's processing list, as
+        many as the engine has room for (`room`: or that many), and put the others back in the
+        queue. What it holds (also finished but unpublished) is not adopted again; the sequences of
+        jobs it lost are not held (another worker's now, or leased to it again by that take)."""
+        self._stranded_due.clear()
+        if room is None:
+            alone = self.queue.isolated and self._running_alone()
+            room = 0 if self.stopping.is_set() or alone else self.engine.free_slots()
+        held = {s.id for s in self.engine.sequences() + self._unpublished if s.finish_reason != LOST}
+        try:
+            adopted = self.queue.adopt_stranded(held, room, alone_ok=not self.engine.busy)
+        except redis.RedisError:
+            self._stranded_due.set()
+            raise
+        self._add(adopted)
 
     def _add(self, taken: list) -> None:
         """Hand the jobs taken to the engine; those it cannot run are answered at once."""
@@ -202,6 +231,7 @@ class Worker:
 
     def _beat(self) -> None:
         while not self._left.wait(self.settings.heartbeat_s):
+            self._stranded_due.set()
             try:
                 # Not stored back: stop() may be setting `draining` on self.info meanwhile.
                 info = replace(self.info, stats={**self.engine.stats(), "rss_mb": resident_mb()})

@@ -1,0 +1,316 @@
+"""A take whose reply never reaches the worker (a socket timeout while Redis stalls, a link cut with
+the take in flight, a take sent again after the worker gave up on the first) has still moved its
+jobs into the worker's processing list, leased to it. The worker finds them there about once a
+heartbeat and runs them, or puts them back in the queue, and each is answered once.
+
+On fakeredis and a real redis-server; the stalled take itself on a private redis-server.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+
+import pytest
+import redis
+
+from shared import keys
+from shared.protocol import Final, Job, SamplingParams, WorkerInfo, decode_result
+from shared.settings import Settings
+from tests.conftest import RedisServer
+from tests.test_job_queue import MODEL, _ids, _push
+from tests.tiny_models import tiny_tokenizer
+from worker import worker as worker_module
+from worker.job_queue import JobQueue
+from worker.sequence import Sequence
+from worker.worker import Worker
+
+
+@pytest.fixture(params=["fakeredis", "redis-server"])
+def client(request):
+    return request.getfixturevalue("fake_redis" if request.param == "fakeredis" else "real_redis")
+
+
+def _lost_take(client, worker_id: str, limit: int, alone_ok: bool = True) -> None:
+    """A take by `worker_id` that runs in Redis, whose reply the worker never sees."""
+    JobQueue(client, worker_id, MODEL).take(limit=limit, wait_s=0, block_s=0, alone_ok=alone_ok)
+
+
+def _in_processing(client, worker_id: str) -> list[str]:
+    return [Job.from_json(r).id for r in client.lrange(keys.processing(worker_id), 0, -1)]
+
+
+def _queued(client, priority: int = 0) -> list[str]:
+    return [Job.from_json(r).id for r in client.lrange(keys.queue(MODEL, priority), 0, -1)]
+
+
+# JobQueue.adopt_stranded
+
+
+def test_jobs_a_lost_take_left_are_adopted_up_to_the_room_and_the_rest_go_back_in_order(client):
+    queue = JobQueue(client, "w1", MODEL)
+    _push(client, 0, 1, 2)
+    _push(client, 3, priority=-3)
+    _lost_take(client, "w1", 3)  # job-3 (more urgent), job-0, job-1: unknown to the worker
+    assert _ids(queue.take(limit=1, wait_s=0, block_s=0)) == ["job-2"]  # what it does know
+    assert _in_processing(client, "w1") == ["job-3", "job-0", "job-1", "job-2"]
+    client.delete(keys.wake(MODEL))
+
+    adopted = queue.adopt_stranded({"job-2"}, room=1)
+    assert _ids(adopted) == ["job-3"]
+    # No room for the others: back at the front of their queue, in their order, for any worker.
+    _push(client, 4)
+    assert _queued(client) == ["job-0", "job-1", "job-4"]
+    assert _in_processing(client, "w1") == ["job-3", "job-2"]
+    assert not client.exists(keys.lease("job-0")) and not client.exists(keys.lease("job-1"))
+    assert client.get(keys.lease("job-3")) == b"w1"
+    assert client.llen(keys.wake(MODEL)) == 1  # an idle worker wakes for them
+
+    # Adopted, it is held: found again, it is neither adopted nor put back a second time.
+    assert queue.adopt_stranded({"job-2", "job-3"}, room=4) == []
+    assert _in_processing(client, "w1") == ["job-3", "job-2"]
+    other = JobQueue(client, "w2", MODEL)
+    assert _ids(other.take(limit=2, wait_s=0, block_s=0)) == ["job-0", "job-1"]
+
+    # The adopted job is answered as a taken one is: published, stored, removed, its lease ended.
+    tokenizer = tiny_tokenizer()
+    seq = Sequence(adopted[0], tokenizer, frozenset({tokenizer.eos_token_id}))
+    for token in tokenizer(" brave knight").input_ids[:2]:
+        seq.append(token)
+    assert queue.publish([seq]).finished == [seq]
+    assert isinstance(decode_result(client.get(keys.answer("job-3"))), Final)
+    assert _in_processing(client, "w1") == ["job-2"]
+    assert not client.exists(keys.lease("job-3"))
+
+
+def test_a_put_back_that_runs_twice_queues_each_job_once(client):
+    queue = JobQueue(client, "w1", MODEL)
+    _push(client, 0)
+    _lost_take(client, "w1", 1)
+    raw = client.lindex(keys.processing("w1"), 0)
+    assert queue.adopt_stranded(set(), room=0) == []
+    # Its reply lost too, and sent again: the lease is gone, so the copy moves nothing.
+    again = queue._put_back_script(keys=[keys.processing("w1"), keys.wake(MODEL)],
+                                   args=["w1", keys.lease(""), keys.queue_prefix(MODEL), raw])
+    assert again == 0
+    assert _queued(client) == ["job-0"] and _in_processing(client, "w1") == []
+
+
+def test_jobs_no_longer_leased_to_the_worker_are_left_alone(client):
+    queue = JobQueue(client, "w1", MODEL)
+    _push(client, 0)
+    _lost_take(client, "w1", 1)
+    client.set(keys.lease("job-0"), "w2")  # whoever holds the lease answers the job, not w1
+    assert queue.adopt_stranded(set(), room=4) == []
+    assert queue.adopt_stranded(set(), room=0) == []
+    assert _in_processing(client, "w1") == ["job-0"] and _queued(client) == []
+    assert client.get(keys.lease("job-0")) == b"w2"
+
+
+def test_a_stranded_last_retry_runs_only_alone(client):
+    queue = JobQueue(client, "w1", MODEL, max_attempts=2)
+    _push(client, 0)
+    client.set(keys.attempts("job-0"), 2)  # two workers died holding it: its last retry
+    _lost_take(client, "w1", 4)
+    # The worker is busy: the job goes back, for a worker that holds nothing.
+    assert queue.adopt_stranded({"job-9"}, room=4, alone_ok=False) == []
+    assert _queued(client) == ["job-0"] and not queue.isolated
+    _lost_take(client, "w1", 4)
+    assert _ids(queue.adopt_stranded(set(), room=4, alone_ok=True)) == ["job-0"]
+    assert queue.isolated == {"job-0"}
+
+
+def test_a_malformed_stranded_job_is_dropped(client):
+    queue = JobQueue(client, "w1", MODEL)
+    client.rpush(keys.processing("w1"), b"{not json")
+    assert queue.adopt_stranded(set(), room=4) == []
+    assert client.llen(keys.processing("w1")) == 0
+
+
+# The worker's loop
+
+
+class StandIn:
+    """An engine that writes one token per job per step (until max_tokens), counting its adds."""
+    name, capacity, last_batch = "stand-in", 4, 0
+
+    def __init__(self):
+        self.tokenizer = tiny_tokenizer()
+        self.token = self.tokenizer(" brave").input_ids[0]
+        self.held: list[Sequence] = []
+        self.added: Counter[str] = Counter()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.held)
+
+    def free_slots(self) -> int:
+        return self.capacity - len(self.held)
+
+    def add(self, job: Job) -> Sequence:
+        seq = Sequence(job, self.tokenizer, frozenset({self.tokenizer.eos_token_id}))
+        self.held.append(seq)
+        self.added[job.id] += 1
+        return seq
+
+    def step(self) -> list[Sequence]:
+        changed = [s for s in self.held if not s.finished]
+        for seq in changed:
+            seq.append(self.token)
+        self.held = [s for s in self.held if not s.finished]
+        self.last_batch = len(changed)
+        return changed
+
+    def sequences(self) -> list[Sequence]:
+        return list(self.held)
+
+    def reset(self) -> list[Sequence]:
+        dropped, self.held = self.held, []
+        return dropped
+
+    def stats(self) -> dict:
+        return {}
+
+
+def _worker(client, engine: StandIn, heartbeat_s: float = 0.1, step_delay_s: float = 0.0) -> Worker:
+    info = WorkerInfo(id="w1", model=MODEL, context_window=128, engine="stand-in", batch=4, device="cpu",
+                      dtype="float32", tokenizer_digest="x", pid=1, host="h", started=0.0)
+    return Worker(JobQueue(client, "w1", MODEL), engine, info,
+                  Settings(heartbeat_s=heartbeat_s, heartbeat_ttl_s=5.0, step_delay_s=step_delay_s))
+
+
+def _push_long(client, *ids: int, max_tokens: int = 8) -> None:
+    client.rpush(keys.queue(MODEL), *[Job(id=f"job-{i}", model=MODEL, prompt_ids=[5, 6, 7],
+                                          params=SamplingParams(max_tokens=max_tokens), timeout_s=60).to_json()
+                                      for i in ids])
+
+
+def _running(worker: Worker) -> threading.Thread:
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    return thread
+
+
+def _wait_for_answers(client, *job_ids: str, timeout: float = 8) -> None:
+    give_up = time.monotonic() + timeout
+    while missing := [j for j in job_ids if not client.exists(keys.answer(j))]:
+        assert time.monotonic() < give_up, f"unanswered: {missing}"
+        time.sleep(0.02)
+
+
+def _finals(pubsub) -> Counter:
+    heard = Counter()
+    for message in iter(lambda: pubsub.get_message(timeout=0.3), None):
+        if message["type"] == "message" and isinstance(decode_result(message["data"]), Final):
+            heard[message["channel"].decode().rsplit(":", 1)[1]] += 1
+    return heard
+
+
+def _listen(client, *job_ids: str):
+    pubsub = client.pubsub()
+    pubsub.subscribe(*[keys.channel(j) for j in job_ids])
+    for _ in job_ids:
+        assert pubsub.get_message(timeout=1)["type"] == "subscribe"
+    return pubsub
+
+
+def test_a_working_worker_answers_the_jobs_a_lost_take_left_once_each(fake_redis):
+    client = fake_redis
+    engine = StandIn()
+    # Jobs of 8 steps of 50 ms: the worker looks at its processing list a few times while it
+    # writes them, and must not take them for stranded.
+    worker = _worker(client, engine, step_delay_s=0.05)
+    pubsub = _listen(client, "job-0", "job-1", "job-2", "job-3")
+    _push_long(client, 0, 1)
+    _lost_take(client, "w1", 2)  # as if the worker's own take had lost its reply
+    thread = _running(worker)
+    try:
+        _push_long(client, 2, 3)
+        client.lpush(keys.wake(MODEL), "1")
+        _wait_for_answers(client, "job-0", "job-1", "job-2", "job-3")
+    finally:
+        worker.stop()
+        thread.join(10)
+    assert not thread.is_alive()
+    assert engine.added == {"job-0": 1, "job-1": 1, "job-2": 1, "job-3": 1}
+    assert _finals(pubsub) == {"job-0": 1, "job-1": 1, "job-2": 1, "job-3": 1}
+    assert _in_processing(client, "w1") == []
+
+
+def test_a_stopping_worker_puts_stranded_jobs_back(fake_redis):
+    client = fake_redis
+    engine = StandIn()
+    worker = _worker(client, engine)
+    _push(client, 0)
+    _lost_take(client, "w1", 1)
+    worker.stop()  # it takes nothing more: the job goes back now, not after its heartbeat runs out
+    worker.run()
+    assert engine.added == {}
+    assert _queued(client) == ["job-0"] and _in_processing(client, "w1") == []
+    assert not client.exists(keys.lease("job-0")) and not client.exists(keys.attempts("job-0"))
+    assert not client.hexists(keys.WORKERS, "w1")
+
+
+@pytest.fixture(scope="module")
+def debug_redis(tmp_path_factory):
+    """A private redis-server that allows DEBUG (Redis 7 refuses it by default)."""
+    server = RedisServer(str(tmp_path_factory.mktemp("redis-debug")),
+                         extra_args=["--enable-debug-command", "yes"])
+    server.start()
+    yield server
+    server.stop()
+
+
+def _stall(server: RedisServer, seconds: float) -> None:
+    """Make Redis stall for `seconds` (DEBUG SLEEP), and return once it does: a probe times out."""
+    threading.Thread(target=server.client().execute_command, args=("DEBUG", "SLEEP", seconds)).start()
+    probe = redis.Redis.from_url(server.url, socket_timeout=0.05)
+    while True:
+        try:
+            probe.ping()
+        except redis.TimeoutError:
+            return
+        time.sleep(0.01)
+
+
+def test_a_take_that_times_out_while_redis_stalls_is_answered(debug_redis, monkeypatch):
+    """The bug as found: Redis runs the take after the worker's 1 s socket timeout gave up on it."""
+    # The worker tries again only after the stall: a take of its own sent meanwhile could run first
+    # once Redis wakes (which waiting client Redis serves first is not ordered), and find the job.
+    monkeypatch.setattr(worker_module, "REDIS_RETRY_S", 1.5)
+    client = debug_redis.client()
+    client.flushdb()
+    engine = StandIn()
+    worker = _worker(redis.Redis.from_url(debug_redis.url, socket_timeout=1), engine, heartbeat_s=0.2)
+    # The take script loaded first: an EVALSHA of an unknown script would run late as a NOSCRIPT
+    # error, and take nothing.
+    assert worker.queue.take(limit=1, wait_s=0, block_s=0) == []
+    take_now, failures, stall = worker.queue._take_now, [], threading.Event()
+
+    def stalled_take(*args, **kwargs):
+        # Once, with the job queued: Redis stalls for 2 s, and this take waits behind the stall.
+        if stall.is_set() and client.llen(keys.queue(MODEL)):
+            stall.clear()
+            _stall(debug_redis, 2)
+            try:
+                return take_now(*args, **kwargs)
+            except redis.RedisError as exc:
+                failures.append(exc)
+                raise
+        return take_now(*args, **kwargs)
+
+    worker.queue._take_now = stalled_take
+    pubsub = _listen(client, "job-0")
+    thread = _running(worker)
+    try:
+        stall.set()
+        _push(client, 0)
+        client.lpush(keys.wake(MODEL), "1")
+        _wait_for_answers(client, "job-0")
+    finally:
+        worker.stop()
+        thread.join(10)
+    assert [type(e) for e in failures] == [redis.TimeoutError]  # the take's reply never came
+    assert engine.added == {"job-0": 1}
+    assert _finals(pubsub) == {"job-0": 1}
+    assert _in_processing(client, "w1") == [] and not client.exists(keys.lease("job-0"))
