@@ -14,8 +14,9 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 import redis
 
@@ -35,6 +36,7 @@ class Running:
     model: str  # the model name the worker serves
     redis_url: str
     logs: dict[str, Path]  # process name -> its log file
+    processes: dict[str, subprocess.Popen] = field(default_factory=dict)  # name -> process (its pid)
 
     def workers(self) -> list[dict]:
         """What the live workers announce in their heartbeats (engine, batch, dtype...), read
@@ -43,6 +45,18 @@ class Running:
         ids = client.hkeys(keys.WORKERS)
         beats = client.mget([keys.heartbeat(i.decode()) for i in ids]) if ids else []
         return [json.loads(b) for b in beats if b is not None]
+
+
+def _wait_for_workers(running: Running, count: int, label: str, timeout_s: float = 300) -> None:
+    """Until `count` workers heartbeat: the first one announcing itself is not all of them."""
+    deadline = time.monotonic() + timeout_s
+    while len(running.workers()) < count:
+        exited = [name for name, p in running.processes.items() if p.poll() is not None]
+        if exited or time.monotonic() > deadline:
+            why = f"{exited[0]} exited" if exited else f"not {count} workers within {timeout_s:g} s"
+            name = exited[0] if exited else "worker"
+            raise StackError(f"{label}: {why}\n--- {name} log ---\n{log_tail(running.logs[name])}")
+        time.sleep(0.5)
 
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -58,10 +72,14 @@ def safe_name(label: str) -> str:
 
 @contextmanager
 def stack(env: dict[str, str], model: str = "smollm2", logs: Path = Path("bench/results/logs"),
-          label: str = "stack"):
+          label: str = "stack", workers: int = 1, pin: Sequence[str] = (),
+          worker_env: Sequence[dict] = ()):
     """Start the stack with `env` added to this process's environment; yield a Running.
 
-    Logs go to <logs>/<label>-{redis,api,worker}.log. Raises StackError if it does not come up.
+    `workers` model workers (all serving `model`); with `pin`, worker i runs under
+    `taskset -c pin[i % len(pin)]`, and `worker_env[i]` adds to its own environment (a metrics port).
+    Logs go to <logs>/<label>-{redis,api,worker}.log (worker2, worker3... for more). Raises
+    StackError if it does not come up, or if not every worker announces itself.
     """
     redis_port, api_port = free_port(), free_port()
     redis_url = f"redis://127.0.0.1:{redis_port}/0"
@@ -74,25 +92,32 @@ def stack(env: dict[str, str], model: str = "smollm2", logs: Path = Path("bench/
     redis_server = shutil.which("redis-server") or sys.exit("redis-server is needed")
     commands = {"redis": [redis_server, "--port", str(redis_port), "--save", "",
                           "--appendonly", "no"],
-                "api": [sys.executable, "-m", "api"],
-                "worker": [sys.executable, "-m", "worker"]}
+                "api": [sys.executable, "-m", "api"]}
+    envs = {}
+    for i in range(workers):
+        name = "worker" if i == 0 else f"worker{i + 1}"
+        taskset = ["taskset", "-c", pin[i % len(pin)]] if pin else []
+        commands[name] = [*taskset, sys.executable, "-m", "worker"]
+        envs[name] = {**full_env, **{k: str(v) for k, v in (worker_env[i] if i < len(worker_env) else {}).items()}}
     log_paths = {name: logs / f"{safe_name(label)}-{name}.log" for name in commands}
-    processes = []
+    processes = {}
     try:
         for name, command in commands.items():
             with open(log_paths[name], "w") as log:  # the child keeps its own copy of the fd
-                processes.append(subprocess.Popen(command, env=full_env, stdout=log,
-                                                  stderr=subprocess.STDOUT))
+                processes[name] = subprocess.Popen(command, env=envs.get(name, full_env), stdout=log,
+                                                   stderr=subprocess.STDOUT)
             time.sleep(0.3)
         url = f"http://127.0.0.1:{api_port}/v1"
         try:
-            served = wait_until_served(url, processes)
+            served = wait_until_served(url, list(processes.values()))
         except SystemExit as exc:  # serve.py's way of saying it; here one config may fail alone
             raise StackError(f"{label}: {exc}\n--- worker log ---\n{log_tail(log_paths['worker'])}"
                              f"\n--- api log ---\n{log_tail(log_paths['api'], 10)}") from None
-        yield Running(url, served[0], redis_url, log_paths)
+        running = Running(url, served[0], redis_url, log_paths, processes)
+        _wait_for_workers(running, workers, label)
+        yield running
     finally:
-        for process in reversed(processes):  # the worker first, Redis last
+        for process in reversed(list(processes.values())):  # the workers first, Redis last
             process.terminate()
             try:
                 process.wait(60)
