@@ -44,7 +44,10 @@ class Linear:
         self.out_features = self.weight.shape[0]
         self.onednn = device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
         if self.onednn:  # the plain copy is not kept: the packed one is all the products need
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_ROWS_HINT)
+            try:
+                self.weight = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_ROWS_HINT)
+            except RuntimeError:  # oneDNN's bf16 packing needs AVX-512 (or AVX-NE-CONVERT)
+                self.onednn = False
         self.small = small_kernel(kernel, dtype) if quantized and small_rows and device.type == "cpu" else None
         if self.small == "int4" and not isinstance(weight, Q41):
             self.small = None  # torch's int4 kernel takes 4-bit values only
