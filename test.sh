@@ -9,6 +9,13 @@ if ! command -v redis-server >/dev/null; then
     if [ "$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
     else sudo apt-get update -qq && sudo apt-get install -y -qq redis-server >/dev/null; fi
 fi
+# tests/test_sentinel.py runs a primary, a replica and three redis-sentinel processes of its own
+# (Debian's redis-sentinel: redis-server in sentinel mode; its service is not started in a container).
+if ! command -v redis-sentinel >/dev/null; then
+    echo "installing redis-sentinel..."
+    if [ "$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq redis-sentinel >/dev/null
+    else sudo apt-get update -qq && sudo apt-get install -y -qq redis-sentinel >/dev/null; fi
+fi
 # tests/test_deploy.py validates docker-compose.yml with Debian's docker-compose (1.29): its
 # `config` needs no Docker engine (these machines have none, so no image is built in the tests).
 # Without its recommended docker.io: the engine is not wanted here.
