@@ -28,7 +28,7 @@ from api.openapi import document
 from api.tokenizers import TokenizerCache
 from api.validation import CompletionRequest, check_max_tokens, parse_chat, parse_completion
 from shared.protocol import Failure, Final, Job, TextDelta, WorkerInfo
-from shared.redis_client import connect, explain, is_sentinel
+from shared.redis_client import connect, explain, is_cluster, is_sentinel
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -149,6 +149,10 @@ def redis_client(settings: Settings) -> redis.Redis:
         # connect() hands these options to redis-py's Sentinel.master_for, which takes the pool's class.
         return connect(settings.redis_url, connection_pool_class=_WaitingSentinelPool, timeout=POOL_WAIT_S,
                        **options)
+    if is_cluster(settings.redis_url):
+        # A pool per node, each of this bound (the subscriber's connection to a node counts in that
+        # node's); redis-py hands the pool class no options of its own, so the wait is the class's.
+        return connect(settings.redis_url, connection_pool_class=_WaitingNodePool, **options)
     client = connect(settings.redis_url, **options)
     pool = client.connection_pool  # redis-py's plain pool, which fails past its bound: made waiting
     return redis.Redis(connection_pool=redis.BlockingConnectionPool(
@@ -159,6 +163,13 @@ def redis_client(settings: Settings) -> redis.Redis:
 class _WaitingSentinelPool(SentinelConnectionPool, redis.BlockingConnectionPool):
     """Sentinel's pool of connections to the current primary that, past its bound, waits for a free
     connection as BlockingConnectionPool does (redis-py has no such pool of its own)."""
+
+
+class _WaitingNodePool(redis.BlockingConnectionPool):
+    """A Redis Cluster node's pool that waits POOL_WAIT_S for a free connection past its bound."""
+
+    def __init__(self, **options):
+        super().__init__(timeout=POOL_WAIT_S, **options)
 
 
 class _JsonProvider(DefaultJSONProvider):

@@ -5,23 +5,36 @@ single pub/sub connection, read by one background thread (a greenlet under gunic
 worker), that carries the channels of every request the process is waiting on and hands each
 message to its request's inbox. So an API process opens a fixed number of Redis connections
 (the pool's bound, which includes the subscriber's) however many players wait on it.
+
+With a Redis Cluster, results travel by sharded pub/sub (SPUBLISH, SSUBSCRIBE), not plain pub/sub.
+A plain PUBLISH in a cluster goes to every node over the cluster bus, so each node would carry every
+message of every model however many nodes there were: the streams, most of what Redis carries here,
+would not spread out with the keys. A sharded message goes only to the primary (and its replicas)
+holding its channel's slot, and a job's channel has its model's hash tag (shared/keys.py): the
+worker's publishing script sends it on the node it already runs on, and each API process listens on
+every primary that holds a waiting request's model, with one SSUBSCRIBE connection per such primary
+(`ShardedSubscriber`). One server, and Sentinel, keep plain pub/sub, which every Redis version has.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import queue
 import threading
 import time
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import redis
 from redis.client import PubSub
+from redis.crc import key_slot
+from redis.exceptions import RedisClusterException
 
 from api.admission import Admission
 from api.errors import ApiError, unavailable
 from shared import keys
 from shared.protocol import Failure, Final, Job, Result, WorkerInfo, decode_result
+from shared.redis_client import get_many, is_cluster_client
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +61,9 @@ PONG_WAIT_S = 5.0
 # A channel the subscriber always listens on, so its connection is never without a subscription
 # (redis-py reads nothing from a pub/sub connection that has none).
 HOME_CHANNEL = f"{keys.PREFIX}:api-subscriber"
+# With a cluster, how often at most a subscriber whose node failed it reads the cluster's layout again
+# (to find where the node's slots went).
+LAYOUT_EVERY_S = 1.0
 # Put in a request's inbox when its channels are heard again after the subscriber reconnected:
 # anything published meanwhile was dropped, so the request reads the stored answers at once.
 RESUBSCRIBED = object()
@@ -58,7 +74,7 @@ class Broker:
         self.redis = client
         self.worker_grace_s = worker_grace_s
         self.admission = Admission(client, max_queue)
-        self.subscriber = Subscriber(client)
+        self.subscriber = ShardedSubscriber(client) if is_cluster_client(client) else Subscriber(client)
         # Every waiting request checks the workers' liveness each LOOK_EVERY_S: one read, shared
         # by all of them, stands for each (a read that failed, too: Redis is not asked again
         # by each of thousands of requests).
@@ -68,10 +84,10 @@ class Broker:
         self._workers_error: Optional[redis.RedisError] = None
 
     def live_workers(self) -> list[WorkerInfo]:
-        ids = self.redis.hkeys(keys.WORKERS)
-        if not ids:
+        registered = self.redis.hgetall(keys.WORKERS)  # worker id -> its model, which names its heartbeat
+        if not registered:
             return []
-        beats = self.redis.mget([keys.heartbeat(i.decode()) for i in ids])
+        beats = get_many(self.redis, [keys.heartbeat(m.decode(), i.decode()) for i, m in registered.items()])
         return [WorkerInfo.from_json(b) for b in beats if b is not None]
 
     def recent_workers(self, max_age_s: float = LOOK_EVERY_S / 2) -> list[WorkerInfo]:
@@ -112,6 +128,7 @@ class Inbox:
         self.channels = channels
         self.messages: queue.SimpleQueue = queue.SimpleQueue()  # (channel, data) or RESUBSCRIBED
         self.subscribed = threading.Event()
+        self.holder: Optional["Subscriber"] = None  # the subscriber carrying it now
         self._generation = -1  # the subscriber connection whose confirmations are being counted
         self._unconfirmed: set[bytes] = set()
 
@@ -148,10 +165,13 @@ class Subscriber:
     REDIS_RETRY_S while Redis is away), subscribes every registered channel again and, once they are
     confirmed, tells each inbox (RESUBSCRIBED). Sends from requests and from the reader go under
     one lock, so no two write to the connection at once.
+
+    `sharded`: SSUBSCRIBE, on `client`, one node of a Redis Cluster (ShardedSubscriber's shards).
     """
 
-    def __init__(self, client: redis.Redis):
+    def __init__(self, client: redis.Redis, sharded: bool = False):
         self.redis = client
+        self.sharded = sharded
         self._lock = threading.Lock()
         self._routes: dict[bytes, Inbox] = {}
         self._pubsub: Optional[_PubSub] = None  # None while (re)connecting
@@ -159,24 +179,31 @@ class Subscriber:
         self._reader: Optional[threading.Thread] = None
         self._reader_pid = 0
         self._suspect = False
+        self._closed = False
 
     def listen(self, channels: list[bytes]) -> Inbox:
         """An inbox for `channels`, once Redis has confirmed that it sends them to this process."""
         inbox = Inbox(channels)
-        with self._lock:
-            self._start_reader()
-            for channel in channels:
-                self._routes[channel] = inbox
-            if self._pubsub is not None:
-                try:
-                    self._pubsub.subscribe(*channels)
-                except redis.RedisError:
-                    pass  # the reader finds the link broken and subscribes every route again
+        self.adopt(inbox)
         if not inbox.subscribed.wait(SUBSCRIBE_WAIT_S):
-            self.forget(inbox)
+            (inbox.holder or self).forget(inbox)  # (a cluster's shard may have handed it on)
             self._suspect = True  # the reader asks its connection for a sign of life now
             raise redis.ConnectionError("Redis did not confirm the subscription in time")
         return inbox
+
+    def adopt(self, inbox: Inbox) -> None:
+        """Carry `inbox`'s channels from now on: subscribed, without waiting for Redis to confirm. An
+        inbox another subscriber carried until now is told RESUBSCRIBED once they are confirmed here."""
+        with self._lock:
+            self._start_reader()
+            for channel in inbox.channels:
+                self._routes[channel] = inbox
+            inbox.holder = self
+            if self._pubsub is not None:
+                try:
+                    self._subscribe(self._pubsub, inbox.channels)
+                except redis.RedisError:
+                    pass  # the reader finds the link broken and subscribes every route again
 
     def forget(self, inbox: Inbox) -> None:
         with self._lock:
@@ -185,9 +212,44 @@ class Subscriber:
                     del self._routes[channel]
             if self._pubsub is not None:
                 try:
-                    self._pubsub.unsubscribe(*inbox.channels)
+                    self._unsubscribe(self._pubsub, inbox.channels)
                 except redis.RedisError:
                     pass  # a new connection subscribes only the routes left
+
+    def release(self, leaving: Callable[[bytes], bool]) -> list[Inbox]:
+        """Stop carrying the inboxes whose channels `leaving` picks (by their first: one request's
+        channels share a slot); they are returned, for another subscriber to adopt."""
+        with self._lock:
+            inboxes = list({id(i): i for c, i in self._routes.items() if leaving(i.channels[0])}.values())
+        for inbox in inboxes:
+            self.forget(inbox)
+        return inboxes
+
+    def close(self) -> None:
+        """Stop reading (a shard whose node holds no slot any more): the reader ends, its link closed."""
+        with self._lock:
+            self._closed = True
+
+    def _subscribe(self, pubsub: PubSub, channels) -> None:
+        if not self.sharded:
+            pubsub.subscribe(*channels)
+            return
+        for group in _by_slot(channels):  # one SSUBSCRIBE may name channels of one slot only
+            pubsub.ssubscribe(*group)
+
+    def _unsubscribe(self, pubsub: PubSub, channels) -> None:
+        if not self.sharded:
+            pubsub.unsubscribe(*channels)
+            return
+        for group in _by_slot(channels):
+            pubsub.sunsubscribe(*group)
+
+    def _home(self) -> str:
+        """The channel this subscriber always listens on."""
+        return HOME_CHANNEL
+
+    def _lost(self) -> None:
+        """The connection broke, or Redis unsubscribed a channel itself: nothing to do with one server."""
 
     @property
     def channels(self) -> int:
@@ -196,6 +258,8 @@ class Subscriber:
 
     def _start_reader(self) -> None:
         # After a fork the thread is not there any more: each process starts its own.
+        if self._closed:
+            return
         if self._reader is None or self._reader_pid != os.getpid() or not self._reader.is_alive():
             self._pubsub, self._reader_pid = None, os.getpid()
             self._reader = threading.Thread(target=self._read, name="redis-subscriber", daemon=True)
@@ -203,7 +267,7 @@ class Subscriber:
 
     def _read(self) -> None:
         pubsub = None
-        while True:
+        while not self._closed:
             try:
                 if pubsub is None:
                     pubsub = self._connect()
@@ -234,18 +298,22 @@ class Subscriber:
                     except Exception:  # noqa: BLE001 - closing a broken link
                         pass
                     pubsub = None
+                self._lost()
                 time.sleep(REDIS_RETRY_S)
+        if pubsub is not None:
+            pubsub.close()
 
     def _connect(self) -> _PubSub:
         """A new pub/sub connection subscribed to every route (confirmed as messages arrive)."""
         pubsub = _PubSub(self.redis.connection_pool)
         with self._lock:
             try:
-                pubsub.subscribe(HOME_CHANNEL, *self._routes)
+                self._subscribe(pubsub, [self._home(), *self._routes])
             except Exception:
                 pubsub.close()
                 raise
-            self._generation += 1
+            # Numbered across subscribers: an inbox moved to another one counts its confirmations anew.
+            self._generation = next(_CONNECTIONS)
             self._pubsub = pubsub
         return pubsub
 
@@ -253,10 +321,119 @@ class Subscriber:
         inbox = self._routes.get(message["channel"])
         if inbox is None:
             return  # the home channel, or a request that has finished
-        if message["type"] == "message":
+        kind = message["type"]
+        if kind in ("message", "smessage"):
             inbox.messages.put((message["channel"], message["data"]))
-        elif message["type"] == "subscribe":
+        elif kind in ("subscribe", "ssubscribe"):
             inbox.confirmed(message["channel"], self._generation)
+        elif kind == "sunsubscribe":  # not asked for (the route is still here): the slot moved
+            self._lost()
+
+
+# Numbers each subscriber connection made in this process (Subscriber._generation).
+_CONNECTIONS = itertools.count(1)
+
+
+def _by_slot(channels) -> list[list]:
+    """`channels` grouped by hash slot, in their order."""
+    groups: dict[int, list] = {}
+    for channel in channels:
+        groups.setdefault(key_slot(channel.encode() if isinstance(channel, str) else channel), []).append(channel)
+    return list(groups.values())
+
+
+class ShardedSubscriber:
+    """This process's subscribers in a Redis Cluster: one Subscriber (SSUBSCRIBE) per primary that
+    holds the slot of a waiting request's channels (one request's channels are all its model's: one
+    slot), created when a request first needs it. The same interface as Subscriber.
+
+    Should a shard's connection break (its node died; a replica is taking over) or its node
+    unsubscribe a channel itself (the slot moved to another node), the cluster's layout is read again
+    (at most every LAYOUT_EVERY_S) and each request whose slot another primary holds now is
+    subscribed there, and told to read its stored answers once confirmed (RESUBSCRIBED), as after a
+    reconnection; meanwhile, as then, its stored answers reach it each second. A shard left with no
+    request on a node that is no primary any more stops.
+    """
+
+    def __init__(self, cluster):
+        self.cluster = cluster
+        self._lock = threading.Lock()
+        self._shards: dict[str, _Shard] = {}  # node name (host:port) -> its subscriber
+        self._layout_read_at = float("-inf")
+
+    def listen(self, channels: list[bytes]) -> Inbox:
+        with self._lock:
+            shard = self._shard_for(channels[0])
+        try:
+            return shard.listen(channels)
+        except redis.ConnectionError:
+            self._read_layout()  # the node may be gone: the next request goes where the slot is now
+            raise
+
+    def forget(self, inbox: Inbox) -> None:
+        with self._lock:  # not while the inbox moves between shards
+            if inbox.holder is not None:
+                inbox.holder.forget(inbox)
+
+    @property
+    def channels(self) -> int:
+        with self._lock:
+            return sum(shard.channels for shard in self._shards.values())
+
+    def _shard_for(self, channel: bytes) -> "_Shard":
+        node = self.cluster.get_node_from_key(channel)  # the slot's primary, as the client knows it
+        shard = self._shards.get(node.name)
+        if shard is None:
+            shard = self._shards[node.name] = _Shard(self, node)
+        return shard
+
+    def home(self, node_name: str) -> str:
+        """A channel whose slot `node_name` holds now (its shard's home channel)."""
+        for n in range(1 << 20):  # 16,384 slots: a node holding one of them is found long before
+            name = keys.subscriber_home(str(n))
+            if self.cluster.get_node_from_key(name).name == node_name:
+                return name
+        raise redis.ConnectionError(f"the Redis Cluster node {node_name} holds no slot")
+
+    def moved(self, shard: "_Shard") -> None:
+        """`shard`'s node failed it: move its requests to where their slots are now."""
+        if not self._read_layout():
+            return  # no node answers: the shard connects again by itself meanwhile
+        with self._lock:
+            for inbox in shard.release(lambda channel: self.cluster.get_node_from_key(channel).name != shard.name):
+                self._shard_for(inbox.channels[0]).adopt(inbox)
+            primaries = {node.name for node in self.cluster.get_primaries()}
+            for name, idle in list(self._shards.items()):
+                if name not in primaries and not idle.channels:
+                    idle.close()
+                    del self._shards[name]
+
+    def _read_layout(self) -> bool:
+        """Ask the cluster where its slots are, unless that was done under LAYOUT_EVERY_S ago; False
+        if no node answered."""
+        with self._lock:
+            if time.monotonic() - self._layout_read_at < LAYOUT_EVERY_S:
+                return True
+            self._layout_read_at = time.monotonic()
+        try:
+            self.cluster.nodes_manager.initialize()
+            return True
+        except (redis.RedisError, RedisClusterException):
+            return False
+
+
+class _Shard(Subscriber):
+    """The SSUBSCRIBE connection to one primary of a cluster (ShardedSubscriber)."""
+
+    def __init__(self, parent: ShardedSubscriber, node):
+        super().__init__(node.redis_connection, sharded=True)
+        self.parent, self.name = parent, node.name
+
+    def _home(self) -> str:
+        return self.parent.home(self.name)
+
+    def _lost(self) -> None:
+        self.parent.moved(self)
 
 
 class Pending:
@@ -265,7 +442,7 @@ class Pending:
     def __init__(self, broker: Broker, jobs: list[Job], cap: int):
         self.broker = broker
         self.jobs = jobs
-        self._index = {keys.channel(j.id).encode(): i for i, j in enumerate(jobs)}
+        self._index = {keys.channel(j.model, j.id).encode(): i for i, j in enumerate(jobs)}
         self._open = set(range(len(jobs)))
         # This host's own clock: the workers measure the same timeout in Redis' (Job.timeout_s).
         self.deadline = time.monotonic() + jobs[0].timeout_s
@@ -328,7 +505,8 @@ class Pending:
 
     def _read_stored_answers(self) -> Iterator[tuple[int, Result]]:
         open_ids = sorted(self._open)
-        stored = self.broker.redis.mget([keys.answer(self.jobs[i].id) for i in open_ids])
+        # One MGET: a request's jobs are of one model, whose keys share a slot.
+        stored = self.broker.redis.mget([keys.answer(self.jobs[i].model, self.jobs[i].id) for i in open_ids])
         for index, raw in zip(open_ids, stored):
             if raw is not None:
                 yield from self._take(index, decode_result(raw))
@@ -339,7 +517,8 @@ class Pending:
             if self._open:
                 pipe = self.broker.redis.pipeline(transaction=False)
                 for i in self._open:
-                    pipe.set(keys.cancel(self.jobs[i].id), 1, ex=max(60, int(self.deadline - time.monotonic())))
+                    pipe.set(keys.cancel(self.jobs[i].model, self.jobs[i].id), 1,
+                             ex=max(60, int(self.deadline - time.monotonic())))
                 pipe.execute()
         finally:
             self.broker.subscriber.forget(self._inbox)

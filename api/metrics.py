@@ -166,9 +166,9 @@ class QueueCollector:
         workers = {wid.decode(): model.decode() for wid, model in workers.items()}
         models = sorted({m.decode() for m in recent} | set(workers.values()))
 
-        pipe = self.redis.pipeline(transaction=False)
-        for worker_id in workers:
-            pipe.exists(keys.heartbeat(worker_id))
+        pipe = self.redis.pipeline(transaction=False)  # (a cluster's sends each key to its node)
+        for worker_id, model in workers.items():
+            pipe.exists(keys.heartbeat(model, worker_id))
         for model in models:
             for queue in keys.queues(model):
                 pipe.llen(queue)

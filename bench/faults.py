@@ -118,8 +118,9 @@ class SoakStack:
         """(id, pid) of the workers with a live heartbeat; [] while Redis is away."""
         try:
             client = self.client()
-            ids = [i.decode() for i in client.hkeys(keys.WORKERS)]
-            beats = client.mget([keys.heartbeat(i) for i in ids]) if ids else []
+            registered = {i.decode(): m.decode() for i, m in client.hgetall(keys.WORKERS).items()}
+            ids = list(registered)
+            beats = client.mget([keys.heartbeat(registered[i], i) for i in ids]) if ids else []
         except redis.RedisError:
             return []
         return [{"id": i, "pid": int(i.split("-")[-2])} for i, b in zip(ids, beats) if b is not None]
@@ -140,7 +141,7 @@ class SoakStack:
         """Whether a worker of this pid is still in the registry or still has a heartbeat."""
         client = self.client()
         ids = [i.decode() for i in client.hkeys(keys.WORKERS)]
-        return any(f"-{pid}-" in i for i in ids) or bool(client.keys(keys.heartbeat(f"*-{pid}-*")))
+        return any(f"-{pid}-" in i for i in ids) or bool(client.keys(keys.heartbeat("*", f"*-{pid}-*")))
 
     def queued(self) -> int:
         client = self.client()
@@ -148,7 +149,7 @@ class SoakStack:
 
     def processing(self) -> int:
         client = self.client()
-        return sum(client.llen(k) for k in client.keys(keys.processing("*")))
+        return sum(client.llen(k) for k in client.keys(keys.processing(self.model, "*")))
 
     def close(self) -> None:
         # A second Ctrl-C (or one forwarded by `timeout`) must not cut the clean-up short and

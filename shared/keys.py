@@ -1,24 +1,41 @@
 """Every Redis key and channel name, in one place.
 
-A request's life in Redis:
-  api    RPUSH  queue(model, priority)        one JSON job per choice (a Lua script: only under the cap),
-         LPUSH  wake(model)                   and a token that wakes an idle worker
-  worker LMOVE  queue(model, p) -> processing(worker_id)   reliable pop, most urgent queue first (Lua):
+A request's life in Redis (m: the model's hash tag, below):
+  api    RPUSH  queue(m, priority)            one JSON job per choice (a Lua script: only under the cap),
+         LPUSH  wake(m)                       and a token that wakes an idle worker
+  worker LMOVE  queue(m, p) -> processing(m, worker_id)   reliable pop, most urgent queue first (Lua):
                                               a dead worker's jobs stay visible
-         SET    lease(job_id) worker_id       in the same script: who may answer the job
-  worker PUBLISH channel(job_id)              text as it is written, then the final answer
-  worker SET    answer(job_id) EX ...         the final answer again, for a subscriber that missed it
-  worker LREM   processing(worker_id)         the job is done
+         SET    lease(m, job_id) worker_id    in the same script: who may answer the job
+  worker PUBLISH channel(m, job_id)           text as it is written, then the final answer
+  worker SET    answer(m, job_id) EX ...      the final answer again, for a subscriber that missed it
+  worker LREM   processing(m, worker_id)      the job is done
                                               (these three in one Lua script, only while the lease
                                               still names this worker)
-  api    SET    cancel(job_id)                the client went away: stop decoding it
+  api    SET    cancel(m, job_id)             the client went away: stop decoding it
+
+Hash tags (Redis Cluster). A Lua script, a MULTI and a blocking move may only touch keys of one hash
+slot in a cluster, and the slot of a key is that of its {hash tag}, the part between its first { and
+the next }. So everything about one model carries the model's tag, storyteller:{MODEL}:...: its
+queues, wake list, drain counters, tokenizer, its workers' processing lists, heartbeats and
+registry, and every per-job key (lease, attempts, answer, cancel, and the result channel, which
+sharded pub/sub places by slot too). A job belongs to one model and a worker serves one model, so
+whoever names such a key has the model at hand, and each of the worker's scripts (worker/job_queue.py)
+and the API's admission script (api/admission.py) stays within one slot, deriving the per-job names
+it builds inside from prefixes that carry the same tag. The cost: one model's traffic lives on one
+node; a cluster spreads the load of several models, not of one.
+
+Keys used only outside scripts need no tag (the worker set, the models, the rate counters), except
+where a MULTI spans two keys: a batch's record and its results, a file's record and its content,
+tagged with the batch or file id. The names are the same whatever the Redis (one server, Sentinel,
+Cluster). They changed when the tags came in: old and new processes do not share a queue.
 """
 
 from shared.protocol import PRIORITIES, PRIORITY_DEFAULT
 
 PREFIX = "storyteller"
 
-# Set of every worker id that has announced itself; a member without a live heartbeat is dead.
+# Hash, worker id -> the model it serves: every worker that has announced itself, for whoever needs
+# them all (the API, /metrics); a member without a live heartbeat is dead.
 WORKERS = f"{PREFIX}:workers"
 
 # Sorted set, model -> the unix time of its last worker heartbeat: the models /metrics reports on,
@@ -30,13 +47,27 @@ MODELS = f"{PREFIX}:models"
 WORKER_STARTS = f"{PREFIX}:worker-starts"
 
 
+def tag(model: str) -> str:
+    """The model's hash tag, braces included. A model's name goes in as it is, unless it holds a
+    brace (which would end or spoil the tag) or a %: then those three are percent-encoded, so that
+    two names never share a tag; an empty name is '{%}'."""
+    if not model:
+        return "{%}"
+    return "{" + model.replace("%", "%25").replace("{", "%7B").replace("}", "%7D") + "}"
+
+
+def model_prefix(model: str) -> str:
+    """The start of every key of the model: storyteller:{MODEL}:"""
+    return f"{PREFIX}:{tag(model)}:"
+
+
 def queue(model: str, priority: int = PRIORITY_DEFAULT) -> str:
     return f"{queue_prefix(model)}{priority}"
 
 
 def queue_prefix(model: str) -> str:
     """The queues' common start: a Lua script that puts a job back adds the job's priority."""
-    return f"{PREFIX}:queue:{model}:"
+    return f"{model_prefix(model)}queue:"
 
 
 def queues(model: str) -> list[str]:
@@ -46,18 +77,26 @@ def queues(model: str) -> list[str]:
 
 def wake(model: str) -> str:
     """A short list of tokens, pushed with each job: an idle worker blocks on it."""
-    return f"{PREFIX}:wake:{model}"
+    return f"{model_prefix(model)}wake"
 
 
 def drained_prefix(model: str) -> str:
     """+ a second of Redis' clock: how many jobs of `model` workers took in that second (the
     queue's drain rate, which a 429's Retry-After is estimated from)."""
-    return f"{PREFIX}:drained:{model}:"
+    return f"{model_prefix(model)}drained:"
 
 
-def attempts(job_id: str) -> str:
+def model_workers(model: str) -> str:
+    """Hash, worker id -> 1: the model's registered workers, in the model's slot. The script that puts
+    a dead worker's jobs back strikes it off here in the same step, and the worker's heartbeat adds
+    it again in one MULTI with its heartbeat key: a worker finds it was struck off (WORKERS, global,
+    is only for finding workers, and a script cannot touch it in a cluster)."""
+    return f"{model_prefix(model)}workers"
+
+
+def attempts(model: str, job_id: str) -> str:
     """How many workers died holding this job."""
-    return f"{PREFIX}:attempts:{job_id}"
+    return f"{model_prefix(model)}attempts:{job_id}"
 
 
 def rate(key_digest: str, minute: int) -> str:
@@ -65,35 +104,43 @@ def rate(key_digest: str, minute: int) -> str:
     return f"{PREFIX}:rate:{key_digest}:{minute}"
 
 
-def lease(job_id: str) -> str:
+def lease(model: str, job_id: str) -> str:
     """The id of the worker that holds the job: only it may publish or remove it. A worker declared
     dead loses it when its jobs are put back, so one whose link to Redis comes back publishes nothing
     for them (worker/job_queue.py's scripts check it)."""
-    return f"{PREFIX}:lease:{job_id}"
+    return f"{model_prefix(model)}lease:{job_id}"
 
 
-def processing(worker_id: str) -> str:
-    return f"{PREFIX}:processing:{worker_id}"
+def processing(model: str, worker_id: str) -> str:
+    """The jobs a worker of `model` holds (a worker serves one model: its list lives in the model's
+    slot, with the queues it takes from)."""
+    return f"{model_prefix(model)}processing:{worker_id}"
 
 
-def heartbeat(worker_id: str) -> str:
-    return f"{PREFIX}:worker:{worker_id}"
+def heartbeat(model: str, worker_id: str) -> str:
+    return f"{model_prefix(model)}worker:{worker_id}"
 
 
 def tokenizer(model: str) -> str:
-    return f"{PREFIX}:tokenizer:{model}"
+    return f"{model_prefix(model)}tokenizer"
 
 
-def channel(job_id: str) -> str:
-    return f"{PREFIX}:result:{job_id}"
+def channel(model: str, job_id: str) -> str:
+    return f"{model_prefix(model)}result:{job_id}"
 
 
-def answer(job_id: str) -> str:
-    return f"{PREFIX}:answer:{job_id}"
+def answer(model: str, job_id: str) -> str:
+    return f"{model_prefix(model)}answer:{job_id}"
 
 
-def cancel(job_id: str) -> str:
-    return f"{PREFIX}:cancel:{job_id}"
+def cancel(model: str, job_id: str) -> str:
+    return f"{model_prefix(model)}cancel:{job_id}"
+
+
+def subscriber_home(name: str) -> str:
+    """A channel an API process's subscriber always listens on (api/broker.py), so its connection is
+    never without a subscription; `name` is its hash tag (with sharded pub/sub, one on each node)."""
+    return f"{PREFIX}:api-subscriber:{{{name}}}"
 
 
 # The batch API (api/batches.py): uploaded files, batch records, and the RQ queue batch jobs wait on.
@@ -103,21 +150,23 @@ BATCH_QUEUE = f"{PREFIX}-batches"
 
 
 def file(file_id: str) -> str:
-    """A hash: the file's object (id, bytes, filename, purpose, created_at) and what it holds."""
-    return f"{PREFIX}:file:{file_id}"
+    """A hash: the file's object (id, bytes, filename, purpose, created_at) and what it holds. Tagged
+    with the file's id: written with its content in one MULTI."""
+    return f"{PREFIX}:file:{{{file_id}}}"
 
 
 def file_content(file_id: str) -> str:
     """The file's bytes, when files are kept in Redis (no --files-dir)."""
-    return f"{PREFIX}:file-content:{file_id}"
+    return f"{PREFIX}:file-content:{{{file_id}}}"
 
 
 def batch(batch_id: str) -> str:
-    """A hash: the batch's fields, and its request counts (HINCRBY as requests finish)."""
-    return f"{PREFIX}:batch:{batch_id}"
+    """A hash: the batch's fields, and its request counts (HINCRBY as requests finish). Tagged with the
+    batch's id: counted with its results in one MULTI."""
+    return f"{PREFIX}:batch:{{{batch_id}}}"
 
 
 def batch_results(batch_id: str) -> str:
     """A hash, line index -> output line, filled as requests finish: a batch job run again after its
     RQ worker died skips what is there, and the output file is written from it in input order."""
-    return f"{PREFIX}:batch-results:{batch_id}"
+    return f"{PREFIX}:batch-results:{{{batch_id}}}"

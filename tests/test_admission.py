@@ -90,6 +90,6 @@ def test_the_api_answers_429_in_openai_shape_before_tokenizing_or_queueing(fake_
 def test_the_default_cap_is_sized_from_the_live_workers(fake_redis):
     _register_worker(fake_redis)  # batch 4
     admission = Admission(fake_redis, max_queue=-1)
-    worker = fake_redis.get(keys.heartbeat("w1"))
+    worker = fake_redis.get(keys.heartbeat(MODEL, "w1"))
     assert admission.cap([WorkerInfo.from_json(worker)]) == 16
     assert Admission(fake_redis, max_queue=7).cap([WorkerInfo.from_json(worker)]) == 7

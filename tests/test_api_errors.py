@@ -158,7 +158,7 @@ def test_a_worker_that_dies_mid_request_gets_a_503_after_the_grace_period(fake_r
     _register_worker(fake_redis)
     client = create_app(Settings(worker_grace=1.0, request_timeout=30), client=fake_redis).test_client()
     # The job is queued, then the worker's heartbeat disappears, as if it was killed.
-    threading.Timer(0.3, fake_redis.delete, (keys.heartbeat("w1"),)).start()
+    threading.Timer(0.3, fake_redis.delete, (keys.heartbeat(MODEL, "w1"),)).start()
     started = time.monotonic()
     response = client.post("/v1/completions", json=_completion())
     _error(response, 503)
@@ -175,7 +175,7 @@ def test_a_request_past_its_deadline_gets_a_504(fake_redis):
     assert time.monotonic() - started < 3
     # The abandoned job is cancelled, so a worker that takes it later will not decode it.
     [raw] = fake_redis.lrange(keys.queue(MODEL), 0, -1)
-    assert fake_redis.exists(keys.cancel(Job.from_json(raw).id))
+    assert fake_redis.exists(keys.cancel(MODEL, Job.from_json(raw).id))
 
 
 def test_unknown_routes_and_methods_answer_in_openai_shape(served):
@@ -206,9 +206,9 @@ def _answer_in_background(client, queue: JobQueue, publish: bool = True) -> None
         _seen_jobs.append(job)
         final = encode_result(Final(text=" and then", finish_reason="length",
                                     prompt_tokens=len(job.prompt_ids), completion_tokens=2))
-        client.set(keys.answer(job.id), final)
+        client.set(keys.answer(job.model, job.id), final)
         if publish:
-            client.publish(keys.channel(job.id), final)
+            client.publish(keys.channel(job.model, job.id), final)
 
     threading.Thread(target=answer, daemon=True).start()
 

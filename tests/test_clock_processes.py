@@ -73,18 +73,18 @@ def test_a_worker_ten_minutes_behind_drops_a_job_whose_deadline_passed(redis_alo
             with pytest.raises(openai.APIStatusError) as timed_out:
                 client.completions.create(model=MODEL, prompt="Too late", max_tokens=4)
             # As if the API had gone before it could cancel the job: the worker alone must see it is dead.
-            [cancelled] = redis_client.keys(keys.cancel("*"))
-            job_id = cancelled.decode().removeprefix(keys.cancel(""))
+            [cancelled] = redis_client.keys(keys.cancel(MODEL, "*"))
+            job_id = cancelled.decode().removeprefix(keys.cancel(MODEL, ""))
             redis_client.delete(cancelled)
             time.sleep(max(0.0, 3 - (time.monotonic() - paused_at)))
         finally:
             paused.resume()
-        wait_until(lambda: redis_client.exists(keys.answer(job_id)), [worker, api], "the dead job's answer")
+        wait_until(lambda: redis_client.exists(keys.answer(MODEL, job_id)), [worker, api], "the dead job's answer")
         after = scrape(worker_metrics)
     finally:
         stop(api), stop(worker)
     assert timed_out.value.status_code == 504 and timed_out.value.code == "timeout"
-    answer = decode_result(redis_client.get(keys.answer(job_id)))
+    answer = decode_result(redis_client.get(keys.answer(MODEL, job_id)))
     assert isinstance(answer, Failure) and answer.code == "timeout", (answer, logs(worker))
     assert grew(before, after, names.GENERATED_TOKENS, model=MODEL) == 0  # not decoded
     # It waited the ~3 s of the pause: not 0, as it would be were the worker's clock read.

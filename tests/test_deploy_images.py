@@ -46,7 +46,7 @@ def beat(client: redis.Redis, host: str, draining: bool = False) -> None:
                       dtype="float32", tokenizer_digest="x", pid=1234, host=host, started=time.time(),
                       draining=draining)
     client.hset(keys.WORKERS, worker_id, "m")
-    client.set(keys.heartbeat(worker_id), info.to_json(), px=30_000)
+    client.set(keys.heartbeat("m", worker_id), info.to_json(), px=30_000)
 
 
 def test_health_needs_a_live_worker_on_this_host(real_redis, redis_server):

@@ -161,7 +161,7 @@ def test_the_worker_loop_leaves_in_redis_what_it_would_not_start(llama, fake_red
         worker._admit()
         steps += 1
         assert steps < 2000
-    assert fake_redis.llen(keys.processing("w")) == 0, "every job answered"
+    assert fake_redis.llen(keys.processing("m", "w")) == 0, "every job answered"
 
 
 def test_jobs_left_behind_wake_an_idle_worker(real_redis):
@@ -209,8 +209,9 @@ class Stack:
 
     def beats(self) -> dict[int, dict]:
         """Each live worker's last heartbeat, by process id."""
-        ids = [i.decode() for i in self.redis.hkeys(keys.WORKERS)]
-        raws = self.redis.mget([keys.heartbeat(i) for i in ids]) if ids else []
+        registered = self.redis.hgetall(keys.WORKERS)
+        raws = self.redis.mget([keys.heartbeat(m.decode(), i.decode()) for i, m in registered.items()]) \
+            if registered else []
         return {b["pid"]: b for b in (json.loads(r) for r in raws if r)}
 
     def generated(self) -> dict[int, int]:

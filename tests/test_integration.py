@@ -42,7 +42,7 @@ class Stack:
     def worker_ids(self, model: str = MODEL) -> list[str]:
         """Ids of the live workers of `model`, as their heartbeats announce them."""
         ids = [i.decode() for i in self.redis.hkeys(keys.WORKERS)]
-        beats = self.redis.mget([keys.heartbeat(i) for i in ids]) if ids else []
+        beats = self.redis.mget([keys.heartbeat(model, i) for i in ids]) if ids else []
         return [i for i, beat in zip(ids, beats) if beat and json.loads(beat)["model"] == model]
 
 
@@ -316,15 +316,15 @@ def test_client_gone_mid_stream_cancels_its_job(stack, client):
     resp.close(), conn.close()  # the player closes the game mid-sentence
 
     # The API notices on its next write and sets the job's cancel flag...
-    wait_until(lambda: stack.redis.exists(keys.cancel(job_id)), [stack.api, stack.worker],
+    wait_until(lambda: stack.redis.exists(keys.cancel(MODEL, job_id)), [stack.api, stack.worker],
                "the cancel flag", timeout=5)
     # ...the worker drops the job from its processing list...
     (worker_id,) = stack.worker_ids()
-    wait_until(lambda: stack.redis.llen(keys.processing(worker_id)) == 0, [stack.worker],
+    wait_until(lambda: stack.redis.llen(keys.processing(MODEL, worker_id)) == 0, [stack.worker],
                "the processing list to empty", timeout=5)
     # ...and never finishes it: a job written to the end stores its answer, a cancelled one does not.
     time.sleep(max(1.0, 2 * whole_s))
-    assert not stack.redis.exists(keys.answer(job_id)), "the job was written to the end after the client left"
+    assert not stack.redis.exists(keys.answer(MODEL, job_id)), "the job was written to the end after the client left"
 
 
 # A job the model cannot run, written by hand into the queue
@@ -334,7 +334,7 @@ def test_a_job_the_model_cannot_run_fails_alone(stack, client):
     bad = Job(id=f"bad-{uuid.uuid4().hex}", model=MODEL, prompt_ids=[10**6],
               params=SamplingParams(max_tokens=4), timeout_s=60)
     pubsub = r.pubsub()
-    pubsub.subscribe(keys.channel(bad.id))
+    pubsub.subscribe(keys.channel(MODEL, bad.id))
     assert pubsub.get_message(timeout=5)["type"] == "subscribe"
     try:
         r.rpush(keys.queue(MODEL), bad.to_json())
@@ -358,13 +358,14 @@ def test_dead_workers_job_is_requeued_and_answered(stack, client, tiny_model_dir
     job = Job(id=f"requeue-{uuid.uuid4().hex[:8]}", model=MODEL, prompt_ids=ids,
               params=SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), timeout_s=60)
     pubsub = r.pubsub()
-    pubsub.subscribe(keys.channel(job.id))  # first: pub/sub drops what nobody listens for
+    pubsub.subscribe(keys.channel(MODEL, job.id))  # first: pub/sub drops what nobody listens for
     assert pubsub.get_message(timeout=5)["type"] == "subscribe"
     try:
         # A worker that died holding the job: the job in its processing list, its name registered,
-        # no heartbeat. Both in one transaction, so the live worker never sees one without the other.
+        # no heartbeat. All in one transaction, so the live worker never sees one without the other.
         pipe = r.pipeline(transaction=True)
-        pipe.rpush(keys.processing("dead-1"), job.to_json())
+        pipe.rpush(keys.processing(MODEL, "dead-1"), job.to_json())
+        pipe.hset(keys.model_workers(MODEL), "dead-1", 1)
         pipe.hset(keys.WORKERS, "dead-1", MODEL)
         pipe.execute()
 
@@ -382,5 +383,6 @@ def test_dead_workers_job_is_requeued_and_answered(stack, client, tiny_model_dir
     # The same greedy request through the API writes the same text.
     assert final.text == client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=6,
                                                    extra_body={"ignore_eos": True}).choices[0].text
-    assert r.llen(keys.processing("dead-1")) == 0
+    assert r.llen(keys.processing(MODEL, "dead-1")) == 0
     assert not r.hexists(keys.WORKERS, "dead-1")
+    assert not r.hexists(keys.model_workers(MODEL), "dead-1")

@@ -83,9 +83,9 @@ def test_sigterm_lets_the_worker_finish_its_request(stack, tiny_model_dirs, tmp_
     assert finish_reasons(chunks) == ["length"]
     assert chunks[-1].usage.completion_tokens == 120
     # A clean exit leaves nothing behind: no heartbeat, no registration, the model no longer listed.
-    assert not stack.redis.exists(keys.heartbeat(worker_id))
+    assert not stack.redis.exists(keys.heartbeat(name, worker_id))
     assert not stack.redis.hexists(keys.WORKERS, worker_id)
-    assert not stack.redis.exists(keys.processing(worker_id))
+    assert not stack.redis.exists(keys.processing(name, worker_id))
     assert name not in models_served(stack.port)
 
 
@@ -99,7 +99,7 @@ def test_stream_survives_worker_killed_mid_job(stack, tiny_model_dirs, tmp_path)
             for i in range(2)]
     try:
         wait_until(lambda: len(stack.worker_ids(name)) == 2, pair, f"two workers of {name}")
-        ids = {json.loads(stack.redis.get(keys.heartbeat(i)))["pid"]: i for i in stack.worker_ids(name)}
+        ids = {json.loads(stack.redis.get(keys.heartbeat(name, i)))["pid"]: i for i in stack.worker_ids(name)}
         client = make_client(stack.port)
         request = dict(model=name, prompt="Once", temperature=0, max_tokens=120, extra_body={"ignore_eos": True})
         text, killed = "", None
@@ -107,7 +107,7 @@ def test_stream_survives_worker_killed_mid_job(stack, tiny_model_dirs, tmp_path)
             if killed is None:
                 job_id = chunk.id.removeprefix("cmpl-") + "-0"
                 for proc in pair:
-                    held = stack.redis.lrange(keys.processing(ids[proc.pid]), 0, -1)
+                    held = stack.redis.lrange(keys.processing(name, ids[proc.pid]), 0, -1)
                     if any(job_id.encode() in raw for raw in held):
                         proc.kill()  # SIGKILL: no drain, the job stays in its processing list
                         killed = proc

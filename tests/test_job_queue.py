@@ -43,7 +43,7 @@ def test_a_batch_takes_at_most_its_size_in_queue_order(client):
     assert [j.id for j in taken] == [f"job-{i}" for i in range(16)]
     assert client.llen(keys.queue(MODEL)) == 4
     # Reliable pop: what was taken sits in this worker's processing list until it is answered.
-    assert client.llen(keys.processing("w1")) == 16
+    assert client.llen(keys.processing(MODEL, "w1")) == 16
 
 
 def test_a_batch_waits_for_late_arrivals_only_until_the_deadline(client):
@@ -85,7 +85,7 @@ def test_a_malformed_job_is_dropped_not_retried_forever(client):
     client.rpush(keys.queue(MODEL), b"{not json")
     _push(client, 1)
     assert [j.id for j in queue.take(limit=4, wait_s=0, block_s=1)] == ["job-1"]
-    assert [Job.from_json(r).id for r in client.lrange(keys.processing("w1"), 0, -1)] == ["job-1"]
+    assert [Job.from_json(r).id for r in client.lrange(keys.processing(MODEL, "w1"), 0, -1)] == ["job-1"]
 
 
 @pytest.mark.parametrize("stream, published", [(True, ["text", "final"]), (False, ["final"])])
@@ -95,7 +95,7 @@ def test_a_finished_sequence_is_published_stored_and_removed(client, stream, pub
     _push(client, 0, stream=stream)
     [job] = queue.take(limit=1, wait_s=0, block_s=1)
     pubsub = client.pubsub()
-    pubsub.subscribe(keys.channel(job.id))
+    pubsub.subscribe(keys.channel(MODEL, job.id))
     assert pubsub.get_message(timeout=1)["type"] == "subscribe"
     seq = Sequence(job, tokenizer, frozenset({tokenizer.eos_token_id}))
     for token in tokenizer(" brave knight").input_ids[:2]:
@@ -108,9 +108,9 @@ def test_a_finished_sequence_is_published_stored_and_removed(client, stream, pub
     final = messages[-1]
     assert isinstance(final, Final) and final.finish_reason == "length" and final.completion_tokens == 2
     assert final.text == tokenizer.decode(tokenizer(" brave knight").input_ids[:2])
-    assert decode_result(client.get(keys.answer(job.id))) == final
-    assert 0 < client.ttl(keys.answer(job.id)) <= 30
-    assert client.llen(keys.processing("w1")) == 0
+    assert decode_result(client.get(keys.answer(MODEL, job.id))) == final
+    assert 0 < client.ttl(keys.answer(MODEL, job.id)) <= 30
+    assert client.llen(keys.processing(MODEL, "w1")) == 0
 
 
 def test_jobs_of_a_dead_worker_go_back_to_the_front_of_the_queue(client):
@@ -173,7 +173,7 @@ def test_an_idle_worker_wakes_when_the_api_pushes(real_redis):
 
 def test_a_job_that_kills_its_workers_fails_after_its_retries_and_the_others_go_on(client):
     pubsub = client.pubsub()
-    pubsub.subscribe(keys.channel("job-0"))
+    pubsub.subscribe(keys.channel(MODEL, "job-0"))
     assert pubsub.get_message(timeout=1)["type"] == "subscribe"
     _push(client, 0, 1, 2)
     first = JobQueue(client, "first", MODEL, max_attempts=2)
@@ -195,7 +195,7 @@ def test_a_job_that_kills_its_workers_fails_after_its_retries_and_the_others_go_
     _die(third, client)  # job-0 kills this worker too, alone: it is the culprit
     fourth = JobQueue(client, "fourth", MODEL, max_attempts=2)
     assert fourth.requeue_dead_workers() == 0
-    failure = decode_result(client.get(keys.answer("job-0")))
+    failure = decode_result(client.get(keys.answer(MODEL, "job-0")))
     assert isinstance(failure, Failure) and failure.code == "worker_crashed"
     assert "3 time(s)" in failure.message
     assert decode_result(pubsub.get_message(timeout=1)["data"]) == failure

@@ -37,7 +37,7 @@ def _write(queue: JobQueue, *tokens: int) -> list[Sequence]:
 
 def _listen(client, *job_ids: str):
     pubsub = client.pubsub()
-    pubsub.subscribe(*[keys.channel(j) for j in job_ids])
+    pubsub.subscribe(*[keys.channel(MODEL, j) for j in job_ids])
     for _ in job_ids:
         assert pubsub.get_message(timeout=1)["type"] == "subscribe"
     return pubsub
@@ -50,7 +50,7 @@ def _heard(pubsub) -> list:
 
 
 def _in_processing(client, worker_id: str) -> list[str]:
-    return [Job.from_json(r).id for r in client.lrange(keys.processing(worker_id), 0, -1)]
+    return [Job.from_json(r).id for r in client.lrange(keys.processing(MODEL, worker_id), 0, -1)]
 
 
 def test_a_worker_declared_dead_publishes_nothing_for_jobs_another_worker_holds(client):
@@ -63,17 +63,17 @@ def test_a_worker_declared_dead_publishes_nothing_for_jobs_another_worker_holds(
     _die(first, client)  # cut off from Redis: its heartbeat expires
     second = JobQueue(client, "second", MODEL)
     assert second.requeue_dead_workers() == 2
-    assert not client.exists(keys.lease("job-0")) and not client.exists(keys.lease("job-1"))
+    assert not client.exists(keys.lease(MODEL, "job-0")) and not client.exists(keys.lease(MODEL, "job-1"))
     pubsub = _listen(client, "job-0", "job-1")
     again = _write(second, 2, 2)
-    assert client.get(keys.lease("job-0")) == b"second"
+    assert client.get(keys.lease(MODEL, "job-0")) == b"second"
 
     # The link is back: the first worker's step publishes nothing, removes nothing, says what it lost.
     published = first.publish([writing, finished])
     assert published.finished == [] and published.lost == [writing, finished]
     assert writing.finish_reason == finished.finish_reason == LOST  # the engine drops them
     assert _heard(pubsub) == []
-    assert not client.exists(keys.answer("job-0")) and not client.exists(keys.answer("job-1"))
+    assert not client.exists(keys.answer(MODEL, "job-0")) and not client.exists(keys.answer(MODEL, "job-1"))
     assert _in_processing(client, "second") == ["job-0", "job-1"]
     # Found lost once: never sent again, not even looked up.
     assert first.publish([writing, finished]) == ([], [])
@@ -88,9 +88,9 @@ def test_a_worker_declared_dead_publishes_nothing_for_jobs_another_worker_holds(
     heard = _heard(pubsub)
     assert [(job, m.type) for job, m in heard] == [("job-0", "text"), ("job-0", "final"),
                                                    ("job-1", "text"), ("job-1", "final")]
-    assert all(isinstance(decode_result(client.get(keys.answer(j))), Final) for j in ("job-0", "job-1"))
+    assert all(isinstance(decode_result(client.get(keys.answer(MODEL, j))), Final) for j in ("job-0", "job-1"))
     assert _in_processing(client, "second") == []
-    assert not client.exists(keys.lease("job-0"))
+    assert not client.exists(keys.lease(MODEL, "job-0"))
 
 
 def test_a_worker_back_before_anyone_put_its_jobs_back_keeps_them(client):
@@ -150,4 +150,4 @@ def test_a_step_costs_one_round_trip_and_a_quiet_step_none(client):
     assert queue.publish([seqs[4]]) == ([], [])  # a step of a job that does not stream
     assert calls == []
     assert _in_processing(client, "w1") == ["job-0", "job-1", "job-2", "job-4"]
-    assert {k.decode() for k in client.mget([keys.lease(s.id) for s in seqs]) if k} == {"w1"}
+    assert {k.decode() for k in client.mget([keys.lease(MODEL, s.id) for s in seqs]) if k} == {"w1"}

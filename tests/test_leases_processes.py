@@ -42,7 +42,7 @@ def test_a_worker_cut_off_mid_stream_drops_its_job_and_the_client_gets_the_text_
 
         # Every message on every job's channel, to count the final answers published.
         heard, listening = [], redis_alone.client().pubsub()
-        listening.psubscribe(keys.channel("*"))
+        listening.psubscribe(keys.channel(MODEL, "*"))
         assert listening.get_message(timeout=1)["type"] == "psubscribe"
         done = threading.Event()
 
@@ -61,11 +61,11 @@ def test_a_worker_cut_off_mid_stream_drops_its_job_and_the_client_gets_the_text_
         text = next(chunks).choices[0].text
         first.send_signal(signal.SIGSTOP)  # mid-stream: cut off
         second.send_signal(signal.SIGCONT)
-        held = redis.lrange(keys.processing(first_id), 0, -1)
+        held = redis.lrange(keys.processing(MODEL, first_id), 0, -1)
         assert len(held) == 1, "the first worker had finished before it was cut off"
         job_id = json.loads(held[0])["id"]
         text += "".join(chunk.choices[0].text for chunk in chunks)  # written again by the second
-        assert not redis.exists(keys.processing(first_id))
+        assert not redis.exists(keys.processing(MODEL, first_id))
         time.sleep(1)  # the cut lasts well past the heartbeat's 3 s
         first.send_signal(signal.SIGCONT)
         wait_until(lambda: "dropped 1 job(s) without publishing" in logs(first), procs, "the drop", 30)
@@ -78,6 +78,6 @@ def test_a_worker_cut_off_mid_stream_drops_its_job_and_the_client_gets_the_text_
         for proc in procs:
             stop(proc)
     assert text == expected
-    assert _finals(heard, keys.channel(job_id).encode()) == 1, logs(first, second)
+    assert _finals(heard, keys.channel(MODEL, job_id).encode()) == 1, logs(first, second)
     assert job_id in logs(first)
     assert f"worker {first_id} is gone: 1 job(s) back in the queue" in logs(second)

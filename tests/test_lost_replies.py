@@ -37,7 +37,7 @@ def _lost_take(client, worker_id: str, limit: int, alone_ok: bool = True) -> Non
 
 
 def _in_processing(client, worker_id: str) -> list[str]:
-    return [Job.from_json(r).id for r in client.lrange(keys.processing(worker_id), 0, -1)]
+    return [Job.from_json(r).id for r in client.lrange(keys.processing(MODEL, worker_id), 0, -1)]
 
 
 def _queued(client, priority: int = 0) -> list[str]:
@@ -62,8 +62,8 @@ def test_jobs_a_lost_take_left_are_adopted_up_to_the_room_and_the_rest_go_back_i
     _push(client, 4)
     assert _queued(client) == ["job-0", "job-1", "job-4"]
     assert _in_processing(client, "w1") == ["job-3", "job-2"]
-    assert not client.exists(keys.lease("job-0")) and not client.exists(keys.lease("job-1"))
-    assert client.get(keys.lease("job-3")) == b"w1"
+    assert not client.exists(keys.lease(MODEL, "job-0")) and not client.exists(keys.lease(MODEL, "job-1"))
+    assert client.get(keys.lease(MODEL, "job-3")) == b"w1"
     assert client.llen(keys.wake(MODEL)) == 1  # an idle worker wakes for them
 
     # Adopted, it is held: found again, it is neither adopted nor put back a second time.
@@ -78,20 +78,20 @@ def test_jobs_a_lost_take_left_are_adopted_up_to_the_room_and_the_rest_go_back_i
     for token in tokenizer(" brave knight").input_ids[:2]:
         seq.append(token)
     assert queue.publish([seq]).finished == [seq]
-    assert isinstance(decode_result(client.get(keys.answer("job-3"))), Final)
+    assert isinstance(decode_result(client.get(keys.answer(MODEL, "job-3"))), Final)
     assert _in_processing(client, "w1") == ["job-2"]
-    assert not client.exists(keys.lease("job-3"))
+    assert not client.exists(keys.lease(MODEL, "job-3"))
 
 
 def test_a_put_back_that_runs_twice_queues_each_job_once(client):
     queue = JobQueue(client, "w1", MODEL)
     _push(client, 0)
     _lost_take(client, "w1", 1)
-    raw = client.lindex(keys.processing("w1"), 0)
+    raw = client.lindex(keys.processing(MODEL, "w1"), 0)
     assert queue.adopt_stranded(set(), room=0) == []
     # Its reply lost too, and sent again: the lease is gone, so the copy moves nothing.
-    again = queue._put_back_script(keys=[keys.processing("w1"), keys.wake(MODEL)],
-                                   args=["w1", keys.lease(""), keys.queue_prefix(MODEL), raw])
+    again = queue._put_back_script(keys=[keys.processing(MODEL, "w1"), keys.wake(MODEL)],
+                                   args=["w1", keys.lease(MODEL, ""), keys.queue_prefix(MODEL), raw])
     assert again == 0
     assert _queued(client) == ["job-0"] and _in_processing(client, "w1") == []
 
@@ -100,17 +100,17 @@ def test_jobs_no_longer_leased_to_the_worker_are_left_alone(client):
     queue = JobQueue(client, "w1", MODEL)
     _push(client, 0)
     _lost_take(client, "w1", 1)
-    client.set(keys.lease("job-0"), "w2")  # whoever holds the lease answers the job, not w1
+    client.set(keys.lease(MODEL, "job-0"), "w2")  # whoever holds the lease answers the job, not w1
     assert queue.adopt_stranded(set(), room=4) == []
     assert queue.adopt_stranded(set(), room=0) == []
     assert _in_processing(client, "w1") == ["job-0"] and _queued(client) == []
-    assert client.get(keys.lease("job-0")) == b"w2"
+    assert client.get(keys.lease(MODEL, "job-0")) == b"w2"
 
 
 def test_a_stranded_last_retry_runs_only_alone(client):
     queue = JobQueue(client, "w1", MODEL, max_attempts=2)
     _push(client, 0)
-    client.set(keys.attempts("job-0"), 2)  # two workers died holding it: its last retry
+    client.set(keys.attempts(MODEL, "job-0"), 2)  # two workers died holding it: its last retry
     _lost_take(client, "w1", 4)
     # The worker is busy: the job goes back, for a worker that holds nothing.
     assert queue.adopt_stranded({"job-9"}, room=4, alone_ok=False) == []
@@ -122,9 +122,9 @@ def test_a_stranded_last_retry_runs_only_alone(client):
 
 def test_a_malformed_stranded_job_is_dropped(client):
     queue = JobQueue(client, "w1", MODEL)
-    client.rpush(keys.processing("w1"), b"{not json")
+    client.rpush(keys.processing(MODEL, "w1"), b"{not json")
     assert queue.adopt_stranded(set(), room=4) == []
-    assert client.llen(keys.processing("w1")) == 0
+    assert client.llen(keys.processing(MODEL, "w1")) == 0
 
 
 # The worker's loop
@@ -193,7 +193,7 @@ def _running(worker: Worker) -> threading.Thread:
 
 def _wait_for_answers(client, *job_ids: str, timeout: float = 8) -> None:
     give_up = time.monotonic() + timeout
-    while missing := [j for j in job_ids if not client.exists(keys.answer(j))]:
+    while missing := [j for j in job_ids if not client.exists(keys.answer(MODEL, j))]:
         assert time.monotonic() < give_up, f"unanswered: {missing}"
         time.sleep(0.02)
 
@@ -208,7 +208,7 @@ def _finals(pubsub) -> Counter:
 
 def _listen(client, *job_ids: str):
     pubsub = client.pubsub()
-    pubsub.subscribe(*[keys.channel(j) for j in job_ids])
+    pubsub.subscribe(*[keys.channel(MODEL, j) for j in job_ids])
     for _ in job_ids:
         assert pubsub.get_message(timeout=1)["type"] == "subscribe"
     return pubsub
@@ -247,7 +247,7 @@ def test_a_stopping_worker_puts_stranded_jobs_back(fake_redis):
     worker.run()
     assert engine.added == {}
     assert _queued(client) == ["job-0"] and _in_processing(client, "w1") == []
-    assert not client.exists(keys.lease("job-0")) and not client.exists(keys.attempts("job-0"))
+    assert not client.exists(keys.lease(MODEL, "job-0")) and not client.exists(keys.attempts(MODEL, "job-0"))
     assert not client.hexists(keys.WORKERS, "w1")
 
 
@@ -313,4 +313,4 @@ def test_a_take_that_times_out_while_redis_stalls_is_answered(debug_redis, monke
     assert [type(e) for e in failures] == [redis.TimeoutError]  # the take's reply never came
     assert engine.added == {"job-0": 1}
     assert _finals(pubsub) == {"job-0": 1}
-    assert _in_processing(client, "w1") == [] and not client.exists(keys.lease("job-0"))
+    assert _in_processing(client, "w1") == [] and not client.exists(keys.lease(MODEL, "job-0"))

@@ -69,7 +69,7 @@ class SlowWorker:
                 for job in jobs:
                     delta = TextDelta(text=_word(job.id, word), offset=len(_text(job.id, word)),
                                       completion_tokens=word + 1)
-                    pipe.publish(keys.channel(job.id), encode_result(delta))
+                    pipe.publish(keys.channel(job.model, job.id), encode_result(delta))
                 pipe.execute()
                 self._beat()
                 if self.stopping.wait(WORD_EVERY_S):
@@ -78,14 +78,14 @@ class SlowWorker:
             for job in jobs:
                 final = encode_result(Final(text=_text(job.id, WORDS), finish_reason="length",
                                             prompt_tokens=len(job.prompt_ids), completion_tokens=WORDS))
-                pipe.set(keys.answer(job.id), final, ex=300)
-                pipe.publish(keys.channel(job.id), final)
+                pipe.set(keys.answer(job.model, job.id), final, ex=300)
+                pipe.publish(keys.channel(job.model, job.id), final)
             pipe.execute()
         except Exception as exc:  # noqa: BLE001 - reported by the test
             self.error = exc
 
     def _beat(self) -> None:
-        self.queue.redis.expire(keys.heartbeat(self.queue.worker_id), 60)
+        self.queue.redis.expire(keys.heartbeat(self.queue.model, self.queue.worker_id), 60)
 
 
 def _word(job_id: str, n: int) -> str:
@@ -201,7 +201,7 @@ def test_one_api_process_holds_2000_slow_streams_with_bounded_redis_connections(
 
 def test_the_subscriber_listens_again_when_its_connection_is_cut(redis_server, real_redis):
     subscriber = Subscriber(redis.Redis.from_url(redis_server.url, client_name="subscriber-under-test"))
-    channels = [keys.channel("cut-0").encode(), keys.channel("cut-1").encode()]
+    channels = [keys.channel("m", "cut-0").encode(), keys.channel("m", "cut-1").encode()]
     inbox = subscriber.listen(channels)  # returns once Redis confirmed both
     assert real_redis.publish(channels[1], b"before") == 1
     assert inbox.messages.get(timeout=5) == (channels[1], b"before")
@@ -214,7 +214,7 @@ def test_the_subscriber_listens_again_when_its_connection_is_cut(redis_server, r
     assert real_redis.publish(channels[0], b"after") == 1
     assert inbox.messages.get(timeout=5) == (channels[0], b"after")
 
-    other = subscriber.listen([keys.channel("cut-2").encode()])  # the same one connection carries it
+    other = subscriber.listen([keys.channel("m", "cut-2").encode()])  # the same one connection carries it
     assert [int(c["sub"]) for c in real_redis.client_list() if c.get("name") == "subscriber-under-test"
             and int(c.get("sub", 0)) > 0] == [4]  # its own channel, and three
     subscriber.forget(inbox)
@@ -234,7 +234,7 @@ def test_the_subscriber_connects_again_when_its_link_goes_quiet(redis_server, re
     monkeypatch.setattr(broker, "PING_AFTER_S", 0.5)
     monkeypatch.setattr(broker, "PONG_WAIT_S", 1.0)
     subscriber = Subscriber(redis.Redis.from_url(redis_server.url, client_name="quiet-subscriber"))
-    channel = keys.channel("quiet-0").encode()
+    channel = keys.channel("m", "quiet-0").encode()
     inbox = subscriber.listen([channel])
     (before,) = _subscriber_ids(real_redis, "quiet-subscriber")
     real_redis.client_pause(6000)

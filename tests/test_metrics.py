@@ -100,12 +100,12 @@ def _stand_in_worker(client, answers: int, fail: bool = False) -> threading.Thre
         for _ in range(answers):
             job = next_job(client, FAKE_MODEL, tries=500)
             if fail:
-                client.publish(keys.channel(job.id), encode_result(Failure("it broke", code="worker_error")))
+                client.publish(keys.channel(job.model, job.id), encode_result(Failure("it broke", code="worker_error")))
                 continue
             if job.stream:
-                client.publish(keys.channel(job.id), encode_result(TextDelta(" and", 0, 1)))
-            client.publish(keys.channel(job.id), encode_result(Final(" and then", "length",
-                                                                     len(job.prompt_ids), 2)))
+                client.publish(keys.channel(job.model, job.id), encode_result(TextDelta(" and", 0, 1)))
+            client.publish(keys.channel(job.model, job.id), encode_result(Final(" and then", "length",
+                                                                                len(job.prompt_ids), 2)))
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread

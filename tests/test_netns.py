@@ -125,7 +125,7 @@ class Listener:
         # Kept: a Redis client that is garbage-collected closes its pool's connections, this one's too.
         self._client = client
         self._pubsub = client.pubsub()
-        self._pubsub.psubscribe(keys.channel("*"))
+        self._pubsub.psubscribe(keys.channel(MODEL, "*"))
         assert self._pubsub.get_message(timeout=5)["type"] == "psubscribe"
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._listen, daemon=True)
@@ -139,7 +139,7 @@ class Listener:
                     return               # reach the test before its message reaches this thread
                 continue
             if message["type"] == "pmessage":
-                job_id = message["channel"].decode().removeprefix(keys.channel(""))
+                job_id = message["channel"].decode().removeprefix(keys.channel(MODEL, ""))
                 with self._lock:
                     self.heard.append((time.monotonic(), job_id, json.loads(message["data"])))
 
@@ -159,7 +159,7 @@ class Listener:
 
 def _live_ids(client: redis.Redis) -> list[str]:
     ids = [i.decode() for i in client.hkeys(keys.WORKERS)]
-    return [i for i in ids if client.exists(keys.heartbeat(i))]
+    return [i for i in ids if client.exists(keys.heartbeat(MODEL, i))]
 
 
 def _stopped(pid: int) -> bool:
@@ -232,7 +232,7 @@ def test_a_worker_cut_off_past_its_heartbeat_loses_its_jobs_to_another_and_publi
         seen = {}  # what A held at the last look: job id -> text heard yet (streams only)
 
         def a_holds_all_and_streams() -> bool:
-            jobs = [json.loads(raw) for raw in store.lrange(keys.processing(a_id), 0, -1)]
+            jobs = [json.loads(raw) for raw in store.lrange(keys.processing(MODEL, a_id), 0, -1)]
             seen.clear()
             seen.update({j["id"]: bool(listener.messages(j["id"], "text")) for j in jobs if j["stream"]})
             return len(jobs) == len(held_asks) and all(seen.values())
@@ -246,7 +246,7 @@ def test_a_worker_cut_off_past_its_heartbeat_loses_its_jobs_to_another_and_publi
         # whatever this machine's speed; it then runs on, behind the cut link.
         a.send_signal(signal.SIGSTOP)
         wait_until(lambda: _stopped(a.pid), procs, "worker A to stop", 10)
-        held = [json.loads(raw) for raw in store.lrange(keys.processing(a_id), 0, -1)]
+        held = [json.loads(raw) for raw in store.lrange(keys.processing(MODEL, a_id), 0, -1)]
         net.cut("wa")
         a.send_signal(signal.SIGCONT)
         b.send_signal(signal.SIGCONT)
@@ -260,7 +260,7 @@ def test_a_worker_cut_off_past_its_heartbeat_loses_its_jobs_to_another_and_publi
         # A behind the cut: a Redis call it had sent gives up (the socket timeout) rather than wait
         # for ever on the dead link (redis-py's message).
         wait_until(lambda: "Timeout reading from" in _log(a), procs, "worker A's Redis calls to time out", 30)
-        assert not store.exists(keys.processing(a_id))
+        assert not store.exists(keys.processing(MODEL, a_id))
         assert f"worker {a_id} is gone: {len(lost)} job(s) back in the queue" in _log(b), logs(b)
 
         restored_at = time.monotonic()

@@ -42,7 +42,7 @@ def _api(server: RedisServer, log_dir, name: str, *flags: str):
 
 def _live_ids(client) -> list[str]:
     ids = [i.decode() for i in client.hkeys(keys.WORKERS)]
-    return [i for i in ids if client.exists(keys.heartbeat(i))]
+    return [i for i in ids if client.exists(keys.heartbeat(MODEL, i))]
 
 
 class Paused:
@@ -52,7 +52,7 @@ class Paused:
     def __init__(self, proc, client):
         self.proc, self.client = proc, client
         (self.worker_id,) = _live_ids(client)
-        self.beat = client.get(keys.heartbeat(self.worker_id))
+        self.beat = client.get(keys.heartbeat(MODEL, self.worker_id))
         self.done = threading.Event()
         proc.send_signal(signal.SIGSTOP)
         self.thread = threading.Thread(target=self._keep_alive, daemon=True)
@@ -60,7 +60,7 @@ class Paused:
 
     def _keep_alive(self) -> None:
         while not self.done.wait(0.3):
-            self.client.set(keys.heartbeat(self.worker_id), self.beat, px=3000)
+            self.client.set(keys.heartbeat(MODEL, self.worker_id), self.beat, px=3000)
 
     def resume(self) -> None:
         self.done.set()

@@ -101,8 +101,8 @@ def assert_nothing_left(tag: str, *ports: int) -> None:
 def assert_nobody_registered(client) -> None:
     """The workers' traces in Redis: the registry, heartbeats and processing lists."""
     assert client.hgetall(keys.WORKERS) == {}
-    assert client.keys(keys.heartbeat("*")) == []
-    assert client.keys(keys.processing("*")) == []
+    assert client.keys(keys.heartbeat("*", "*")) == []
+    assert client.keys(keys.processing("*", "*")) == []
 
 
 def test_missing_model_stops_before_anything_starts(tmp_path, tag, real_redis, redis_server):
@@ -156,7 +156,7 @@ def test_stopped_with_sigterm_leaves_nothing_running_or_registered(tmp_path, tag
     give_up = time.monotonic() + READY_TIMEOUT_S
     while len(real_redis.hkeys(keys.WORKERS)) < 2 and time.monotonic() < give_up:  # the second one too
         time.sleep(0.2)
-    assert len(real_redis.keys(keys.heartbeat("*"))) == 2
+    assert len(real_redis.keys(keys.heartbeat("*", "*"))) == 2
     serve.process.send_signal(signal.SIGTERM)
     assert serve.wait() == 0, serve.output()[-4000:]
     assert "serve.py:" not in serve.err.read_text()  # a requested stop is no failure

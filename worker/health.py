@@ -21,7 +21,7 @@ import redis
 
 from shared import keys
 from shared.protocol import WorkerInfo
-from shared.redis_client import connect, explain, masked
+from shared.redis_client import connect, explain, get_many, masked
 from shared.settings import Settings
 
 TIMEOUT_S = 3.0
@@ -29,16 +29,19 @@ TIMEOUT_S = 3.0
 
 def problem(settings: Settings, host: str) -> Optional[str]:
     """Why no worker on `host` is serving, or None when one is."""
-    client = connect(settings.redis_url, socket_connect_timeout=TIMEOUT_S, socket_timeout=TIMEOUT_S)
+    client = None
     try:
+        # (A cluster's client reads the cluster's layout as it is made: that may fail too.)
+        client = connect(settings.redis_url, socket_connect_timeout=TIMEOUT_S, socket_timeout=TIMEOUT_S)
         # Worker ids start with their host's name (worker/__main__.py): read only this host's beats.
-        ids = [raw.decode() for raw in client.hkeys(keys.WORKERS)]
-        mine = [worker_id for worker_id in ids if worker_id.startswith(f"{host}-")]
-        beats = client.mget([keys.heartbeat(worker_id) for worker_id in mine]) if mine else []
+        registered = {raw.decode(): model.decode() for raw, model in client.hgetall(keys.WORKERS).items()}
+        mine = [(worker_id, model) for worker_id, model in registered.items() if worker_id.startswith(f"{host}-")]
+        beats = get_many(client, [keys.heartbeat(model, worker_id) for worker_id, model in mine])
     except redis.RedisError as exc:
         return f"cannot read Redis at {masked(settings.redis_url)}: {explain(exc)}"
     finally:
-        client.close()
+        if client is not None:
+            client.close()
     workers = [info for info in (WorkerInfo.from_json(beat) for beat in beats if beat) if info.host == host]
     if not workers:
         return f"no worker on {host} has a live heartbeat (still loading its model, or gone)"

@@ -8,6 +8,10 @@ A worker that is only cut off from Redis looks dead too, and its jobs go to othe
 (keys.lease: the id of the worker that took it) tells it, once its link is back, which jobs are no
 longer its own: publishing checks the lease in the same script, so it sends nothing for them.
 
+Every key a script here touches carries the model's hash tag (shared/keys.py), the per-job names it
+builds inside too (from prefixes that carry it), so each script runs on one slot, as Redis Cluster
+requires; there, results go by SPUBLISH on that slot's primary instead of PUBLISH (see api/broker.py).
+
 A take can run in Redis without its reply reaching the worker (a timeout, a cut link): its jobs
 then sit in the worker's processing list under its lease, unknown to it. The worker looks there
 about once a heartbeat (`adopt_stranded`) and runs them, or puts them back for another worker.
@@ -24,6 +28,7 @@ import redis
 
 from shared import keys
 from shared.protocol import Failure, Job, WorkerInfo, encode_result
+from shared.redis_client import is_cluster_client, server_time
 from worker.clock import RedisClock
 from worker.sequence import Sequence
 
@@ -100,8 +105,9 @@ return {isolated, taken}
 # answered with ARGV[1] (a Failure) instead. Either way the job's lease goes: should the worker only
 # have been cut off, it publishes nothing more for it. The heartbeat is checked here, not before, and
 # the worker struck off in the same step: a worker whose heartbeat comes back meanwhile keeps its jobs.
-# KEYS: the worker's processing list, the model's wake list, the worker's heartbeat, the worker set.
-# ARGV: the failure, max attempts, the key prefixes, the worker's id.
+# KEYS: the worker's processing list, the model's wake list, the worker's heartbeat, the model's
+# worker registry. ARGV: the failure, max attempts, the key prefixes, the worker's id, the publishing
+# command (PUBLISH, or SPUBLISH in a cluster).
 # Returns {-1 if the worker is alive, else jobs requeued; jobs failed}.
 _REQUEUE = """
 if redis.call('EXISTS', KEYS[3]) == 1 then return {-1, 0} end
@@ -116,7 +122,7 @@ while true do
   redis.call('EXPIRE', ARGV[3] .. id, tonumber(ARGV[7]))
   if tries > tonumber(ARGV[2]) then
     redis.call('SET', ARGV[4] .. id, ARGV[1], 'EX', tonumber(ARGV[6]))
-    redis.call('PUBLISH', ARGV[5] .. id, ARGV[1])
+    redis.call(ARGV[11], ARGV[5] .. id, ARGV[1])
     failed = failed + 1
   else
     redis.call('LPUSH', ARGV[8] .. priority, raw)
@@ -131,21 +137,23 @@ return {requeued, failed}
 # A step's results, for jobs whose lease still names this worker (ARGV[1]): publish the new text,
 # store and publish the last message, take the job out of the processing list (KEYS[1]) and end its
 # lease. A job whose lease is gone or names another worker gets nothing: it is returned, lost.
-# ARGV: the worker's id, the lease, channel and answer prefixes, the answer's TTL, then four per job:
-# its id, its new text ('' none), its last message ('' none), its JSON to remove ('' not done).
+# ARGV: the worker's id, the lease, channel and answer prefixes, the answer's TTL, the publishing
+# command (PUBLISH, or SPUBLISH in a cluster), then four per job: its id, its new text ('' none), its
+# last message ('' none), its JSON to remove ('' not done).
 _PUBLISH = """
 local me, lease, channel, answer, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
+local publish = ARGV[6]
 local lost = {}
-for i = 6, #ARGV, 4 do
+for i = 7, #ARGV, 4 do
   local id, text, last, raw = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   if redis.call('GET', lease .. id) ~= me then
     lost[#lost + 1] = id
   else
-    if text ~= '' then redis.call('PUBLISH', channel .. id, text) end
+    if text ~= '' then redis.call(publish, channel .. id, text) end
     if last ~= '' then
       -- Stored before it is published, so a subscriber that missed the message can still read it.
       redis.call('SET', answer .. id, last, 'EX', ttl)
-      redis.call('PUBLISH', channel .. id, last)
+      redis.call(publish, channel .. id, last)
     end
     if raw ~= '' then
       redis.call('LREM', KEYS[1], 1, raw)
@@ -218,13 +226,16 @@ class JobQueue:
         self.max_attempts = max_attempts
         self.isolated: set[str] = set()  # held jobs that run alone: their earlier worker died
         self._wake = keys.wake(model)
-        self._processing = keys.processing(worker_id)
+        self._processing = keys.processing(model, worker_id)
+        # Sharded pub/sub in a cluster: the message goes to the channel's slot's primary only
+        # (api/broker.py says why); one server has no shards, and PUBLISH is what every Redis has.
+        self._publish_command = "SPUBLISH" if is_cluster_client(client) else "PUBLISH"
         self._take_script = client.register_script(_TAKE)
         self._requeue_script = client.register_script(_REQUEUE)
         self._publish_script = client.register_script(_PUBLISH)
         self._stranded_script = client.register_script(_STRANDED)
         self._put_back_script = client.register_script(_PUT_BACK)
-        self._registered = False  # a heartbeat has put this worker in keys.WORKERS
+        self._registered = False  # a heartbeat has put this worker in keys.model_workers
         self._raw: dict[str, bytes] = {}  # job id -> its exact JSON, which LREM needs
         # Dead workers' jobs this worker put back / failed after max_attempts, by model (/metrics).
         self.requeued: Counter[str] = Counter()
@@ -260,8 +271,8 @@ class JobQueue:
     def _take_now(self, limit: int, alone_ok: bool) -> list[bytes]:
         isolated, raws = self._take_script(
             keys=[*keys.queues(self.model), self._processing, self._wake],
-            args=[limit, int(alone_ok), self.max_attempts, keys.attempts(""),
-                  keys.drained_prefix(self.model), DRAINED_TTL_S, keys.lease(""), self.worker_id,
+            args=[limit, int(alone_ok), self.max_attempts, keys.attempts(self.model, ""),
+                  keys.drained_prefix(self.model), DRAINED_TTL_S, keys.lease(self.model, ""), self.worker_id,
                   LEASE_TTL_S])
         if isolated:
             self.isolated.add(_job_id(raws[0]))
@@ -278,7 +289,8 @@ class JobQueue:
         (`alone_ok`: the worker holds nothing), as `take` would. The rest go back to the front of
         their queues for any worker, unless the worker lost their lease meanwhile."""
         found = self._stranded_script(
-            keys=[self._processing], args=[keys.lease(""), self.worker_id, keys.attempts(""), *held])
+            keys=[self._processing],
+            args=[keys.lease(self.model, ""), self.worker_id, keys.attempts(self.model, ""), *held])
         adopted, back, alone = [], [], False
         for raw, deaths in zip(found[::2], found[1::2]):
             job = self._parse(raw)  # a malformed one is dropped, as a take drops it
@@ -296,7 +308,7 @@ class JobQueue:
         if back:
             returned = self._put_back_script(
                 keys=[self._processing, self._wake],
-                args=[self.worker_id, keys.lease(""), keys.queue_prefix(self.model), *back])
+                args=[self.worker_id, keys.lease(self.model, ""), keys.queue_prefix(self.model), *back])
         if adopted or back:
             log.warning("found %d job(s) in this worker's processing list that a take had put there "
                         "without its reply reaching the worker: %d run here, %d back in the queue (%s)",
@@ -375,7 +387,8 @@ class JobQueue:
             return []
         return self._publish_script(
             keys=[self._processing],
-            args=[self.worker_id, keys.lease(""), keys.channel(""), keys.answer(""), self.answer_ttl_s,
+            args=[self.worker_id, keys.lease(self.model, ""), keys.channel(self.model, ""),
+                  keys.answer(self.model, ""), self.answer_ttl_s, self._publish_command,
                   *entries])
 
     def _forget(self, job_id: str) -> None:
@@ -386,7 +399,7 @@ class JobQueue:
         """Jobs whose client went away."""
         if not job_ids:
             return set()
-        flags = self.redis.mget([keys.cancel(j) for j in job_ids])
+        flags = self.redis.mget([keys.cancel(self.model, j) for j in job_ids])  # one slot: the model's
         return {j for j, flag in zip(job_ids, flags) if flag is not None}
 
     # Liveness
@@ -394,7 +407,8 @@ class JobQueue:
     def sync_clock(self) -> float:
         """Measure Redis' clock against this host's (`self.clock`); returns Redis' time."""
         sent = time.monotonic()
-        seconds, microseconds = self.redis.time()
+        # The clock of the node that stamps this model's jobs (a cluster's nodes each have their own).
+        seconds, microseconds = server_time(self.redis, self._wake)
         self.clock.sync(seconds + microseconds / 1e6, sent, time.monotonic())
         return self.clock.now()
 
@@ -402,14 +416,20 @@ class JobQueue:
         """Announce this worker for another `ttl_s`. True if it had been struck off meanwhile: it was
         declared dead (cut off from Redis past its heartbeat's life), and the jobs it held went back
         to the queue; their leases tell which (`publish(..., check=True)`)."""
-        # One transaction: `requeue_dead_workers` sees this worker either struck off or alive again,
-        # never registered without a heartbeat.
-        pipe = self.redis.pipeline(transaction=True)
+        # Where workers are found (any slot): before the registry below, so a worker that has one
+        # entry has both. Should a worker declared dead come back between the requeuing script and
+        # the requeuer's HDEL of this entry, it is missing from here until its next heartbeat.
+        pipe = self.redis.pipeline(transaction=False)
         pipe.hset(keys.WORKERS, self.worker_id, self.model)
         pipe.zadd(keys.MODELS, {self.model: self.sync_clock()})
-        pipe.set(keys.heartbeat(self.worker_id), info.to_json(), px=int(ttl_s * 1000))
+        pipe.execute()
+        # One transaction, in the model's slot: `requeue_dead_workers` sees this worker either struck
+        # off or alive again, never registered without a heartbeat.
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(keys.model_workers(self.model), self.worker_id, 1)
+        pipe.set(keys.heartbeat(self.model, self.worker_id), info.to_json(), px=int(ttl_s * 1000))
         pipe.exists(keys.tokenizer(self.model))
-        added, *_, tokenizer_stored = pipe.execute()
+        added, _, tokenizer_stored = pipe.execute()
         if not tokenizer_stored and self._tokenizer_files:  # Redis restarted empty
             self.store_tokenizer(self._tokenizer_files)
         struck_off, self._registered = bool(added) and self._registered, True
@@ -417,7 +437,7 @@ class JobQueue:
 
     def store_tokenizer(self, files: dict[str, bytes]) -> None:
         self._tokenizer_files = files
-        pipe = self.redis.pipeline()
+        pipe = self.redis.pipeline(transaction=True)  # (a cluster's pipeline is not one by default)
         pipe.delete(keys.tokenizer(self.model))
         pipe.hset(keys.tokenizer(self.model), mapping=files)
         pipe.execute()
@@ -428,8 +448,9 @@ class JobQueue:
 
     def leave(self) -> None:
         """A clean exit: nothing left in processing, so just disappear."""
-        self.redis.delete(keys.heartbeat(self.worker_id))
+        self.redis.delete(keys.heartbeat(self.model, self.worker_id))
         if not self.redis.llen(self._processing):
+            self.redis.hdel(keys.model_workers(self.model), self.worker_id)
             self.redis.hdel(keys.WORKERS, self.worker_id)
 
     def requeue_dead_workers(self) -> int:
@@ -442,15 +463,17 @@ class JobQueue:
                     f"it was not tried again", code="worker_crashed"))
         for worker_id, model in self.redis.hgetall(keys.WORKERS).items():
             worker_id, model = worker_id.decode(), model.decode()
-            if self.redis.exists(keys.heartbeat(worker_id)):  # the usual case, without a script
+            if self.redis.exists(keys.heartbeat(model, worker_id)):  # the usual case, without a script
                 continue
             requeued, failed = self._requeue_script(
-                keys=[keys.processing(worker_id), keys.wake(model), keys.heartbeat(worker_id), keys.WORKERS],
-                args=[crashed, self.max_attempts, keys.attempts(""), keys.answer(""), keys.channel(""),
-                      self.answer_ttl_s, ATTEMPTS_TTL_S, keys.queue_prefix(model), keys.lease(""),
-                      worker_id])
+                keys=[keys.processing(model, worker_id), keys.wake(model), keys.heartbeat(model, worker_id),
+                      keys.model_workers(model)],
+                args=[crashed, self.max_attempts, keys.attempts(model, ""), keys.answer(model, ""),
+                      keys.channel(model, ""), self.answer_ttl_s, ATTEMPTS_TTL_S, keys.queue_prefix(model),
+                      keys.lease(model, ""), worker_id, self._publish_command])
             if requeued < 0:  # its heartbeat came back since
                 continue
+            self.redis.hdel(keys.WORKERS, worker_id)  # struck off in the model's slot: off the list too
             self.requeued[model] += requeued
             self.crashed[model] += failed
             if requeued or failed:

@@ -1,0 +1,287 @@
+"""Redis Cluster, against real servers on loopback: three primaries (with a password) joined by
+`redis-cli --cluster create`, a real API and three tiny-model workers serving three model names whose
+hash tags put their keys on three different primaries. The API's REDIS_URL is a redis+cluster://
+URL whose first host answers nothing; one worker is given a node's redis:// URL with REDIS_CLUSTER=1.
+
+OpenAI's client asks each model for stories, streamed and not, at once: every request is answered in
+full; each model's queues, processing lists, heartbeats, leases and result channels are in one slot,
+held by the primary that holds its queue, and the three models' primaries differ; results travel by
+sharded pub/sub (SSUBSCRIBE on each model's primary), none by plain pub/sub. A worker that died
+holding a job (its processing list, its registration) has the job put back and answered by the live
+worker of its model, and the answer published on that model's primary. A batch is refused with 501
+(RQ does not work with a cluster); files still upload.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+import redis
+
+from serve import free_port
+from shared import keys
+from shared.protocol import Final, Job, SamplingParams, decode_result
+from shared.redis_client import connect
+from tests.processes import get_json, logs, make_client, start, stop, wait_until
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+PASSWORD = "cluster pass"  # a space: percent-encoded in the URL
+QUOTED = PASSWORD.replace(" ", "%20")
+PRIMARIES = 3
+NODE_TIMEOUT_MS = 2000
+REQUESTS_PER_MODEL, AT_ONCE, TOKENS = 6, 6, 12
+API_KEY = "cluster-test-key"
+
+
+class Node:
+    """One cluster-enabled redis-server of the test's own, in its own directory."""
+
+    def __init__(self, directory: Path):
+        directory.mkdir(parents=True, exist_ok=True)
+        self.port, self.directory, self.log = _cluster_port(), directory, directory / "redis-server.log"
+        binary = shutil.which("redis-server") or pytest.fail("redis-server is not installed (test.sh installs it)")
+        with open(self.log, "ab") as log:
+            self.process = subprocess.Popen(
+                [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(directory),
+                 "--save", "", "--appendonly", "no", "--cluster-enabled", "yes",
+                 "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
+                 "--requirepass", PASSWORD, "--masterauth", PASSWORD],
+                stdout=log, stderr=subprocess.STDOUT, cwd=directory)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, password=PASSWORD, socket_timeout=5)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+
+
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (10,000 higher, which a node listens on too) is free and valid."""
+    for _ in range(1000):
+        port = free_port()
+        if port + 10000 <= 65535:
+            with socket.socket() as bus:
+                try:
+                    bus.bind(("127.0.0.1", port + 10000))
+                    return port
+                except OSError:
+                    pass
+    raise AssertionError("no port pair found")
+
+
+def _wait(ready, what: str, nodes: list[Node], timeout: float = 30) -> None:
+    give_up = time.monotonic() + timeout
+    while time.monotonic() < give_up:
+        try:
+            if ready():
+                return
+        except redis.RedisError:
+            pass
+        time.sleep(0.2)
+    pytest.fail(f"timed out waiting for {what}\n" + "\n".join(
+        f"----- {n.log} -----\n{n.log.read_text(errors='replace')[-2000:]}" for n in nodes))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cluster")
+    nodes = [Node(root / f"node-{i}") for i in range(PRIMARIES)]
+    try:
+        _wait(lambda: all(n.client().ping() for n in nodes), "the nodes to start", nodes)
+        cli = shutil.which("redis-cli") or pytest.fail("redis-cli is not installed (test.sh installs it)")
+        # The password in the environment (REDISCLI_AUTH), not on a command line `ps` shows.
+        made = subprocess.run([cli, "--cluster", "create", *(n.address for n in nodes), "--cluster-replicas", "0",
+                               "--cluster-yes"], env={**os.environ, "REDISCLI_AUTH": PASSWORD},
+                              capture_output=True, text=True, timeout=60)
+        assert made.returncode == 0, made.stdout + made.stderr
+        _wait(lambda: all(n.client().execute_command("CLUSTER INFO")["cluster_state"] == "ok" for n in nodes),
+              "every node to see the cluster whole", nodes)
+        yield nodes
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+def _primary_of(nodes: list[Node], key: str) -> Node:
+    slot = nodes[0].client().execute_command("CLUSTER KEYSLOT", key)
+    for start_slot, end_slot, (host, port, *_), *_ in nodes[0].client().execute_command("CLUSTER SLOTS"):
+        if start_slot <= slot <= end_slot:
+            return next(n for n in nodes if n.port == int(port))
+    raise AssertionError(f"no node holds slot {slot}")
+
+
+def _names_on_distinct_primaries(nodes: list[Node], count: int) -> list[str]:
+    """`count` model names whose keys the cluster puts on `count` different primaries."""
+    names, taken = [], set()
+    for i in range(200):
+        name = f"tale-{i}"
+        node = _primary_of(nodes, keys.queue(name))
+        if node.port not in taken:
+            names.append(name)
+            taken.add(node.port)
+            if len(names) == count:
+                return names
+    raise AssertionError("no names found on distinct primaries")
+
+
+def _ask(client: openai.OpenAI, model: str, i: int) -> dict:
+    request = dict(model=model, max_tokens=TOKENS, extra_body={"ignore_eos": True})
+    if i % 3 == 0:  # streamed
+        text, finish = "", None
+        for chunk in client.completions.create(prompt=f"Tale {i}:", stream=True, **request):
+            text += chunk.choices[0].text if chunk.choices else ""
+            finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
+        return dict(model=model, i=i, finish=finish, tokens=None, text=text)
+    if i % 3 == 1:  # chat, streamed
+        text, finish = "", None
+        for chunk in client.chat.completions.create(messages=[{"role": "user", "content": f"Tale {i}"}],
+                                                    stream=True, **request):
+            text += (chunk.choices[0].delta.content or "") if chunk.choices else ""
+            finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
+        return dict(model=model, i=i, finish=finish, tokens=None, text=text)
+    answer = client.completions.create(prompt=f"Tale {i}:", **request)
+    return dict(model=model, i=i, finish=answer.choices[0].finish_reason, tokens=answer.usage.completion_tokens,
+                text=answer.choices[0].text)
+
+
+def test_models_spread_over_a_clusters_primaries_and_every_request_is_answered(cluster, tiny_model_dirs,
+                                                                                tmp_path):
+    nodes = cluster
+    models = _names_on_distinct_primaries(nodes, PRIMARIES)
+    homes = {model: _primary_of(nodes, keys.queue(model)) for model in models}
+    hosts = ",".join(n.address for n in nodes)
+    # The first host answers nothing: the client starts from the next one.
+    url = f"redis+cluster://:{QUOTED}@127.0.0.1:{free_port()},{hosts}"
+    port, procs = free_port(), []
+    try:
+        for model, kind in zip(models, ("llama", "gpt2", "llama")):
+            env = dict(REDIS_URL=url)
+            if model == models[-1]:  # a node's plain URL, said to be a cluster's
+                env = dict(REDIS_URL=f"redis://:{QUOTED}@{nodes[-1].address}/0", REDIS_CLUSTER="1")
+            procs.append(start(["worker", "--model", tiny_model_dirs[kind], "--model-name", model, "--dtype",
+                                "float32", "--batch", "8", "--wait", "5"], tmp_path, f"worker-{model}", **env))
+        api = start(["api", "--port", str(port), "--max-queue", "0", "--request-timeout", "60"], tmp_path, "api",
+                    REDIS_URL=url, API_KEYS=API_KEY, RATE_LIMIT="10000")
+        procs.append(api)
+        client = make_client(port, API_KEY)
+        wait_until(lambda: _served(client) == set(models), procs, "/v1/models to list every model", timeout=120)
+        assert "cluster pass" not in logs(*procs) and QUOTED not in logs(*procs)
+
+        with ThreadPoolExecutor(AT_ONCE) as pool:
+            answers = list(pool.map(lambda mi: _ask(client, *mi),
+                                    [(m, i) for i in range(REQUESTS_PER_MODEL) for m in models]))
+        assert len(answers) == REQUESTS_PER_MODEL * len(models)
+        for answer in answers:
+            assert answer["finish"] == "length" and answer["text"], answer
+            assert answer["tokens"] in (None, TOKENS), answer
+
+        # Each model's keys share one slot, on the primary of its queue; the three primaries differ.
+        any_node = nodes[0].client()
+        for model in models:
+            (worker_id,) = [w.decode() for w, m in _all_workers(nodes).items() if m.decode() == model]
+            named = [keys.queue(model, p) for p in (-10, 0, 10)] + [
+                keys.wake(model), keys.processing(model, worker_id), keys.heartbeat(model, worker_id),
+                keys.model_workers(model), keys.tokenizer(model), keys.lease(model, "j"), keys.answer(model, "j"),
+                keys.cancel(model, "j"), keys.attempts(model, "j"), keys.channel(model, "j"),
+                keys.drained_prefix(model) + "1"]
+            assert len({any_node.execute_command("CLUSTER KEYSLOT", k) for k in named}) == 1, model
+            # Asked directly (no cluster client), the home node has them; another would answer MOVED.
+            home = homes[model]
+            assert home.client().exists(keys.heartbeat(model, worker_id), keys.tokenizer(model)) == 2
+            assert home.client().hexists(keys.model_workers(model), worker_id)
+            for other in (n for n in nodes if n is not home):
+                with pytest.raises(redis.exceptions.MovedError, match=f"{home.address}$"):
+                    other.client().exists(keys.tokenizer(model))
+        assert len({homes[m].port for m in models}) == PRIMARIES
+
+        # Results went by sharded pub/sub: the API's subscriber listens on every model's primary
+        # (SSUBSCRIBE), and no node has a plain subscription.
+        for model in models:
+            assert homes[model].client().execute_command("PUBSUB SHARDCHANNELS"), model
+        assert all(n.client().execute_command("PUBSUB CHANNELS") == [] for n in nodes)
+        assert all(n.client().execute_command("PUBSUB NUMPAT") == 0 for n in nodes)
+
+        # /health and /metrics read across the slots.
+        assert get_json(f"http://127.0.0.1:{port}/health")[0] == 200
+        metrics = _get_text(f"http://127.0.0.1:{port}/metrics")
+        for model in models:
+            assert f'storyteller_workers_alive{{model="{model}"}} 1.0' in metrics
+
+        _dead_workers_job_is_put_back(nodes, url, models[1], homes[models[1]], procs)
+
+        # The batch API: files upload (their record and content share a slot), batches are refused.
+        line = {"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                "body": {"model": models[0], "prompt": "x", "max_tokens": 2}}
+        uploaded = client.files.create(file=("in.jsonl", io.BytesIO(json.dumps(line).encode())), purpose="batch")
+        assert client.files.content(uploaded.id).text.strip() == json.dumps(line)
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+        assert refused.value.status_code == 501 and "Cluster" in refused.value.message
+        assert all(p.poll() is None for p in procs), logs(*procs)
+    finally:
+        for proc in procs:
+            stop(proc)
+
+
+def _dead_workers_job_is_put_back(nodes, url, model, home, procs) -> None:
+    """A worker of `model` that died holding a job: its live colleague's heartbeat puts the job back
+    (one script on the model's primary) and answers it on the model's sharded channel."""
+    cluster_client = connect(url, socket_timeout=5)
+    job = Job(id="dead-job-1", model=model, prompt_ids=[5, 6, 7], timeout_s=60,
+              params=SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    listening = home.client().pubsub()
+    listening.ssubscribe(keys.channel(model, job.id))
+    assert listening.get_message(timeout=5)["type"] == "ssubscribe"
+    try:
+        pipe = cluster_client.pipeline(transaction=True)  # one slot: a MULTI in a cluster
+        pipe.rpush(keys.processing(model, "dead-1"), job.to_json())
+        pipe.hset(keys.model_workers(model), "dead-1", 1)
+        pipe.execute()
+        cluster_client.hset(keys.WORKERS, "dead-1", model)
+        final, give_up = None, time.monotonic() + 20
+        while final is None and time.monotonic() < give_up:
+            message = listening.get_message(ignore_subscribe_messages=True, timeout=0.5)
+            if message:
+                result = decode_result(message["data"])
+                final = result if isinstance(result, Final) else None
+        assert isinstance(final, Final) and final.completion_tokens == 4, logs(*procs)
+        assert isinstance(decode_result(cluster_client.get(keys.answer(model, job.id))), Final)
+        assert cluster_client.llen(keys.processing(model, "dead-1")) == 0
+        assert not cluster_client.hexists(keys.WORKERS, "dead-1")
+        assert not cluster_client.hexists(keys.model_workers(model), "dead-1")
+    finally:
+        listening.close()
+        cluster_client.close()
+
+
+def _all_workers(nodes: list[Node]) -> dict:
+    return connect(f"redis+cluster://:{QUOTED}@{nodes[0].address}").hgetall(keys.WORKERS)
+
+
+def _served(client: openai.OpenAI) -> set[str]:
+    try:
+        return {m.id for m in client.models.list().data}
+    except openai.APIError:  # not listening yet
+        return set()
+
+
+def _get_text(url: str) -> str:
+    import urllib.request
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return response.read().decode()
