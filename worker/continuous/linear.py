@@ -96,16 +96,24 @@ def small_kernel(kernel, dtype) -> Optional[str]:
     if kernel is not None and hasattr(kernel, "quantized_linear"):
         ways["bytes"] = lambda: [kernel.quantized_linear(x, w.q, w.d, w.m) for w in layers]
     times = {}
-    for name, run in ways.items():
-        run()
-        samples = []
-        for _ in range(5):
-            start = time.perf_counter()
+    # On one thread: a multithreaded kernel timed while other processes hold the cores waits for
+    # its slowest thread (once measured 120 ms where it takes 1.6), and the kernels' choice should
+    # not depend on what else ran at that moment. Each scales alike with threads (memory-bound).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for name, run in ways.items():
             run()
-            samples.append(time.perf_counter() - start)
-        times[name] = min(samples)  # the least disturbed run: other processes share the cores
+            samples = []
+            for _ in range(5):
+                start = time.perf_counter()
+                run()
+                samples.append(time.perf_counter() - start)
+            times[name] = min(samples)  # the least disturbed run
+    finally:
+        torch.set_num_threads(threads)
     best = min(times, key=times.get)
-    log.info("small steps' products: %s (16 layers at one row: %s)", best or "dense",
+    log.info("small steps' products: %s (16 layers at one row, one thread: %s)", best or "dense",
              ", ".join(f"{name or 'dense'} {t * 1e3:.1f} ms" for name, t in times.items()))
     return best
 
