@@ -248,8 +248,9 @@ class Subscriber:
         """The channel this subscriber always listens on."""
         return HOME_CHANNEL
 
-    def _lost(self) -> None:
-        """The connection broke, or Redis unsubscribed a channel itself: nothing to do with one server."""
+    def _lost(self, error: Optional[Exception] = None) -> None:
+        """The connection failed (`error`), or Redis unsubscribed a channel itself: with one server
+        there is nothing to do but connect again."""
 
     @property
     def channels(self) -> int:
@@ -288,7 +289,10 @@ class Subscriber:
                         pubsub.ping()
                     pinged_at = now
             except Exception as exc:  # noqa: BLE001 - the reader must outlive anything
-                if not isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+                # (A cluster node refusing a channel whose slot it no longer holds is no surprise.)
+                expected = (redis.ConnectionError, redis.TimeoutError, *((redis.ResponseError,) if self.sharded
+                                                                             else ()))
+                if not isinstance(exc, expected):
                     log.exception("the Redis subscriber failed; connecting again")
                 with self._lock:
                     self._pubsub = None
@@ -298,7 +302,7 @@ class Subscriber:
                     except Exception:  # noqa: BLE001 - closing a broken link
                         pass
                     pubsub = None
-                self._lost()
+                self._lost(exc)
                 time.sleep(REDIS_RETRY_S)
         if pubsub is not None:
             pubsub.close()
@@ -426,13 +430,15 @@ class _Shard(Subscriber):
     """The SSUBSCRIBE connection to one primary of a cluster (ShardedSubscriber)."""
 
     def __init__(self, parent: ShardedSubscriber, node):
-        super().__init__(node.redis_connection, sharded=True)
+        super().__init__(parent.cluster.get_redis_connection(node), sharded=True)
         self.parent, self.name = parent, node.name
 
     def _home(self) -> str:
         return self.parent.home(self.name)
 
-    def _lost(self) -> None:
+    def _lost(self, error: Optional[Exception] = None) -> None:
+        if isinstance(error, redis.exceptions.MovedError):  # a node said where a slot is now
+            self.parent.cluster.nodes_manager.move_slot(error)
         self.parent.moved(self)
 
 

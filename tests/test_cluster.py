@@ -28,6 +28,7 @@ import pytest
 import redis
 
 from serve import free_port
+from api.broker import ShardedSubscriber
 from shared import keys
 from shared.protocol import Final, Job, SamplingParams, decode_result
 from shared.redis_client import connect
@@ -40,6 +41,7 @@ QUOTED = PASSWORD.replace(" ", "%20")
 PRIMARIES = 3
 NODE_TIMEOUT_MS = 2000
 REQUESTS_PER_MODEL, AT_ONCE, TOKENS = 6, 6, 12
+MOVING_TOKENS = 60  # at the slow worker's 0.05 s a step: a few seconds of stream to move a slot under
 API_KEY = "cluster-test-key"
 
 
@@ -237,6 +239,105 @@ def test_models_spread_over_a_clusters_primaries_and_every_request_is_answered(c
     finally:
         for proc in procs:
             stop(proc)
+
+
+def test_a_models_slot_moved_to_another_primary_mid_stream(cluster, tiny_model_dirs, tmp_path):
+    """The slot of a model's keys moves to another primary while a stream is being written (as
+    `redis-cli --cluster reshard` moves slots): the worker's scripts and blocking pop follow the keys
+    (redis-py's MOVED and ASK handling), the old primary unsubscribes the API's sharded channels of
+    that slot, and the API subscribes them again on the new one. The stream ends whole, with the text
+    the same request writes after the move, and later requests are answered too."""
+    nodes, model = cluster, "moving-tale"
+    source = _primary_of(nodes, keys.queue(model))
+    target = next(n for n in nodes if n is not source)
+    url = f"redis+cluster://:{QUOTED}@{source.address}"
+    port, procs = free_port(), []
+    try:
+        # A slow worker (the test-only STEP_DELAY_S): the stream is still being written at the move.
+        procs.append(start(["worker", "--model", tiny_model_dirs["llama"], "--model-name", model, "--dtype",
+                            "float32", "--batch", "4", "--wait", "5"], tmp_path, "worker", REDIS_URL=url,
+                           STEP_DELAY_S="0.05"))
+        procs.append(start(["api", "--port", str(port), "--max-queue", "0", "--request-timeout", "60"], tmp_path,
+                           "api", REDIS_URL=url))
+        client = make_client(port)
+        wait_until(lambda: _served(client) == {model}, procs, f"/v1/models to list {model}", timeout=120)
+        request = dict(model=model, prompt="The gate", max_tokens=MOVING_TOKENS, temperature=0,
+                       extra_body={"ignore_eos": True})
+        assert client.completions.create(**request).choices[0].finish_reason == "length"  # all is up
+
+        text, finish, usage, moved_at = "", None, None, None
+        for chunk in client.completions.create(stream=True, stream_options={"include_usage": True}, **request):
+            if chunk.choices:
+                text += chunk.choices[0].text
+                finish = chunk.choices[0].finish_reason or finish
+            usage = chunk.usage or usage
+            if moved_at is None and text:  # under way: move the model's slot
+                _move_slot(nodes, _slot(nodes, keys.queue(model)), source, target)
+                moved_at = len(text)
+        assert moved_at is not None and moved_at < len(text), "the move came after the stream had ended"
+        assert finish == "length" and usage.completion_tokens == MOVING_TOKENS, logs(*procs)
+        assert _primary_of(nodes, keys.queue(model)) is target
+        assert target.client().exists(keys.tokenizer(model)), "the model's keys moved with their slot"
+        # The same request written again, now on the new primary, writes the same text.
+        assert client.completions.create(**request).choices[0].text == text, logs(*procs)
+        streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **request)
+                           if c.choices)
+        assert streamed == text
+        # The API listens on the new primary now.
+        assert target.client().execute_command("PUBSUB SHARDCHANNELS"), logs(*procs)
+        assert all(p.poll() is None for p in procs), logs(*procs)
+    finally:
+        for proc in procs:
+            stop(proc)
+
+
+def test_a_subscriber_that_knows_an_old_layout_follows_the_slot(cluster):
+    """An API process whose client still places a slot on its old primary subscribes there: the node
+    refuses (MOVED), and the subscriber moves the request's channels to the primary the refusal names;
+    the request is confirmed as usual, and hears what is published there."""
+    nodes, model = cluster, "wandering-tale"
+    url = f"redis+cluster://:{QUOTED}@{nodes[0].address}"
+    stale = connect(url, socket_timeout=5)  # its layout read now, before the move
+    subscriber = ShardedSubscriber(stale)
+    source = _primary_of(nodes, keys.queue(model))
+    target = next(n for n in nodes if n is not source)
+    try:
+        # The subscriber's connection to the old primary is up (another model's request there).
+        neighbour = _name_on(nodes, source, avoid=model)
+        subscriber.listen([keys.channel(neighbour, "n-0").encode()])
+        _move_slot(nodes, _slot(nodes, keys.queue(model)), source, target)
+        channel = keys.channel(model, "w-0").encode()
+        inbox = subscriber.listen([channel])  # returns once a node confirmed it: the new primary
+        assert target.client().execute_command("SPUBLISH", channel, b"heard") == 1
+        assert inbox.messages.get(timeout=5) == (channel, b"heard")
+        subscriber.forget(inbox)
+        assert subscriber.channels == 1  # the neighbour's
+    finally:
+        stale.close()
+
+
+def _name_on(nodes: list[Node], node: Node, avoid: str) -> str:
+    """A model name whose keys `node` holds, other than `avoid` and not in its slot."""
+    avoided = _slot(nodes, keys.queue(avoid))
+    return next(name for name in (f"near-{i}" for i in range(1000)) if _primary_of(nodes, keys.queue(name)) is node
+                and _slot(nodes, keys.queue(name)) != avoided)
+
+
+def _slot(nodes: list[Node], key: str) -> int:
+    return nodes[0].client().execute_command("CLUSTER KEYSLOT", key)
+
+
+def _move_slot(nodes: list[Node], slot: int, source: Node, target: Node) -> None:
+    """What `redis-cli --cluster reshard` does for one slot: mark it moving, MIGRATE its keys, then
+    tell every node (the target first) that the target holds it."""
+    source_id, target_id = (n.client().execute_command("CLUSTER MYID") for n in (source, target))
+    target.client().execute_command("CLUSTER SETSLOT", slot, "IMPORTING", source_id)
+    source.client().execute_command("CLUSTER SETSLOT", slot, "MIGRATING", target_id)
+    while names := source.client().execute_command("CLUSTER GETKEYSINSLOT", slot, 100):
+        source.client().execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "AUTH", PASSWORD,
+                                        "KEYS", *names)
+    for node in [target, source, *(n for n in nodes if n not in (source, target))]:
+        node.client().execute_command("CLUSTER SETSLOT", slot, "NODE", target_id)
 
 
 def _dead_workers_job_is_put_back(nodes, url, model, home, procs) -> None:
