@@ -16,6 +16,13 @@ if ! command -v redis-sentinel >/dev/null; then
     if [ "$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq redis-sentinel >/dev/null
     else sudo apt-get update -qq && sudo apt-get install -y -qq redis-sentinel >/dev/null; fi
 fi
+# tests/test_cluster.py joins three redis-servers into a cluster with redis-cli (Debian's redis-tools,
+# which redis-server's package brings along).
+if ! command -v redis-cli >/dev/null; then
+    echo "installing redis-tools..."
+    if [ "$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq redis-tools >/dev/null
+    else sudo apt-get update -qq && sudo apt-get install -y -qq redis-tools >/dev/null; fi
+fi
 # tests/test_deploy.py validates docker-compose.yml with Debian's docker-compose (1.29): its
 # `config` needs no Docker engine (these machines have none, so no image is built in the tests).
 # Without its recommended docker.io: the engine is not wanted here.
