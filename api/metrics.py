@@ -28,6 +28,7 @@ from api.errors import ApiError
 from shared import keys
 from shared import metrics as names
 from shared.protocol import PRIORITIES
+from shared.redis_client import is_cluster_client, server_time
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +189,12 @@ class QueueCollector:
                 if head is not None:
                     stamps.append(_enqueued_at(head))
             stamped = [s for s in stamps if s > 0]
-            oldest.add_metric([model], max(0.0, now - min(stamped)) if stamped else 0.0)
+            clock = now
+            if stamped and is_cluster_client(self.redis):
+                # Its jobs were stamped by its own node, whose clock is not the first one's.
+                seconds, microseconds = server_time(self.redis, keys.queue(model))
+                clock = seconds + microseconds / 1e6
+            oldest.add_metric([model], max(0.0, clock - min(stamped)) if stamped else 0.0)
 
         live = GaugeMetricFamily(names.WORKERS_ALIVE, "Workers with a live heartbeat, by model",
                                  labels=["model"])
