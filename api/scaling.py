@@ -22,7 +22,8 @@ misses: few jobs, but long ones, on workers slower than the count assumes.
     python -m api.scaling --model M --suggested   # just the number, for a script (docs/scaling.md)
 
 It only reads (no key is written), so it may run anywhere REDIS_URL reaches, as often as wanted:
-one round costs 3 + 2 per worker + 42 per model commands, in two round trips.
+one round costs 3 + 2 per worker + 42 per model commands, in three round trips (with a Redis
+Cluster, a TIME per model too: each node has its own clock, and a model's jobs carry its node's).
 """
 from __future__ import annotations
 
@@ -31,14 +32,14 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
 import redis
 
 from shared import keys
 from shared.protocol import PRIORITIES, WorkerInfo
-from shared.redis_client import connect, explain, masked
+from shared.redis_client import connect, explain, is_cluster_client, masked, server_time
 from shared.settings import Settings
 
 # A model whose workers have all gone is still listed this long after its last heartbeat (as
@@ -91,20 +92,22 @@ def suggest(load: ModelLoad, policy: Policy) -> int:
 
 def read(client: redis.Redis, policy: Policy = Policy()) -> tuple[float, list[ModelLoad]]:
     """Redis' time and every model's load, each with its suggested worker count."""
+    now = _time(client, keys.MODELS)
     pipe = client.pipeline(transaction=False)
-    pipe.time()
     pipe.zrangebyscore(keys.MODELS, "-inf", "+inf", withscores=True)
     pipe.hgetall(keys.WORKERS)
-    (seconds, micros), seen, registered = pipe.execute()
-    now = seconds + micros / 1e6
+    seen, registered = pipe.execute()
     workers = {wid.decode(): model.decode() for wid, model in registered.items()}
     models = sorted({m.decode() for m, beat in seen if beat >= now - MODEL_MEMORY_S} | set(workers.values()))
+    # A cluster's nodes each keep their own clock: a model's jobs were stamped by its queue's node.
+    clocks = ({model: _time(client, keys.queue(model)) for model in models} if is_cluster_client(client)
+              else dict.fromkeys(models, now))
 
     pipe = client.pipeline(transaction=False)
-    for worker_id in workers:
-        pipe.get(keys.heartbeat(worker_id))
+    for worker_id, model in workers.items():
+        pipe.get(keys.heartbeat(model, worker_id))
         # A dead worker's jobs count too: the next live worker's heartbeat puts them back in the queue.
-        pipe.llen(keys.processing(worker_id))
+        pipe.llen(keys.processing(model, worker_id))
     for model in models:
         for queue in keys.queues(model):
             pipe.llen(queue)
@@ -131,9 +134,14 @@ def read(client: redis.Redis, policy: Policy = Policy()) -> tuple[float, list[Mo
             if head is not None:
                 stamps.append(_enqueued_at(head))
         stamped = [s for s in stamps if s > 0]
-        load.oldest_age_s = round(max(0.0, now - min(stamped)), 3) if stamped else 0.0
+        load.oldest_age_s = round(max(0.0, clocks[model] - min(stamped)), 3) if stamped else 0.0
         load.suggested = suggest(load, policy)
     return now, [loads[m] for m in models]
+
+
+def _time(client: redis.Redis, near: str) -> float:
+    seconds, micros = server_time(client, near)
+    return seconds + micros / 1e6
 
 
 def _draining(beat: bytes) -> bool:
@@ -174,7 +182,7 @@ def parser() -> argparse.ArgumentParser:
                     "suggested worker count, read from Redis.",
         epilog="suggested = clamp(ceil((queued + held) / --per-worker), --min, --max), and one more "
                "than the live workers while the oldest job has waited over --max-wait.")
-    Settings.from_env().add_flags(ap, ["redis_url"])
+    Settings.from_env().add_flags(ap, ["redis_url", "redis_cluster"])
     ap.add_argument("--model", help="only this model")
     ap.add_argument("--json", action="store_true", help="one JSON object per reading")
     ap.add_argument("--suggested", action="store_true",
@@ -216,7 +224,11 @@ def main(argv: Optional[list[str]] = None, client: Optional[redis.Redis] = None)
         policy = Policy(args.per_worker, args.min_workers, args.max_workers, args.max_wait_s)
     except ValueError as exc:
         ap.error(str(exc))
-    url = args.redis_url or Settings.from_env().redis_url
+    given = {name: getattr(args, name) for name in ("redis_url", "redis_cluster") if getattr(args, name) is not None}
+    try:  # the environment, then the flags; REDIS_CLUSTER=1 makes the URL a cluster's
+        url = replace(Settings.from_env(), **given).redis_url
+    except ValueError as exc:
+        ap.error(str(exc))
     client = client or connect(url, socket_connect_timeout=TIMEOUT_S, socket_timeout=TIMEOUT_S)
     rounds = 0
     while True:

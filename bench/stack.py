@@ -42,8 +42,9 @@ class Running:
         """What the live workers announce in their heartbeats (engine, batch, dtype...), read
         straight from Redis so a benchmark records which engine really ran."""
         client = redis.Redis.from_url(self.redis_url, socket_connect_timeout=2)
-        ids = client.hkeys(keys.WORKERS)
-        beats = client.mget([keys.heartbeat(i.decode()) for i in ids]) if ids else []
+        registered = client.hgetall(keys.WORKERS)  # worker id -> its model
+        beats = client.mget([keys.heartbeat(m.decode(), i.decode()) for i, m in registered.items()]) \
+            if registered else []
         return [json.loads(b) for b in beats if b is not None]
 
 
