@@ -16,6 +16,7 @@ from typing import Optional
 import redis
 from flask import Flask, Response, jsonify, request
 from flask.json.provider import DefaultJSONProvider
+from redis.exceptions import RedisClusterException
 from redis.sentinel import SentinelConnectionPool
 from werkzeug.exceptions import HTTPException
 
@@ -53,6 +54,7 @@ def create_app(settings: Optional[Settings] = None, client: Optional[redis.Redis
         return exc.response()
 
     @app.errorhandler(redis.RedisError)
+    @app.errorhandler(RedisClusterException)  # a cluster's own (a pipeline's: no node holds a slot)
     def redis_down(exc):
         return unavailable(f"the job queue (Redis) is not reachable: {explain(exc)}").response()
 

@@ -384,18 +384,25 @@ class ShardedSubscriber:
         with self._lock:
             return sum(shard.channels for shard in self._shards.values())
 
+    def node_of(self, key) -> str:
+        """The name of the primary holding `key`'s slot, as this process's client knows the layout."""
+        try:
+            return self.cluster.get_node_from_key(key).name
+        except RedisClusterException as exc:  # no node holds the slot now (a fail-over under way)
+            raise redis.ConnectionError(f"Redis Cluster: {exc}") from exc
+
     def _shard_for(self, channel: bytes) -> "_Shard":
-        node = self.cluster.get_node_from_key(channel)  # the slot's primary, as the client knows it
-        shard = self._shards.get(node.name)
+        name = self.node_of(channel)
+        shard = self._shards.get(name)
         if shard is None:
-            shard = self._shards[node.name] = _Shard(self, node)
+            shard = self._shards[name] = _Shard(self, self.cluster.get_node(node_name=name))
         return shard
 
     def home(self, node_name: str) -> str:
         """A channel whose slot `node_name` holds now (its shard's home channel)."""
         for n in range(1 << 20):  # 16,384 slots: a node holding one of them is found long before
             name = keys.subscriber_home(str(n))
-            if self.cluster.get_node_from_key(name).name == node_name:
+            if self.node_of(name) == node_name:
                 return name
         raise redis.ConnectionError(f"the Redis Cluster node {node_name} holds no slot")
 
@@ -404,7 +411,7 @@ class ShardedSubscriber:
         if not self._read_layout():
             return  # no node answers: the shard connects again by itself meanwhile
         with self._lock:
-            for inbox in shard.release(lambda channel: self.cluster.get_node_from_key(channel).name != shard.name):
+            for inbox in shard.release(lambda channel: self.node_of(channel) != shard.name):
                 self._shard_for(inbox.channels[0]).adopt(inbox)
             primaries = {node.name for node in self.cluster.get_primaries()}
             for name, idle in list(self._shards.items()):
@@ -437,9 +444,14 @@ class _Shard(Subscriber):
         return self.parent.home(self.name)
 
     def _lost(self, error: Optional[Exception] = None) -> None:
-        if isinstance(error, redis.exceptions.MovedError):  # a node said where a slot is now
-            self.parent.cluster.nodes_manager.move_slot(error)
-        self.parent.moved(self)
+        try:
+            if isinstance(error, redis.exceptions.MovedError):  # a node said where a slot is now
+                self.parent.cluster.nodes_manager.move_slot(error)
+            self.parent.moved(self)
+        except Exception as exc:  # noqa: BLE001 - the reader calling this must outlive anything
+            # (The layout unknown for now, e.g. no node holds a slot during a fail-over: the next
+            # failure, or request, tries again.)
+            log.warning("the Redis Cluster subscriber of %s could not move its requests: %s", self.name, exc)
 
 
 class Pending:

@@ -196,13 +196,25 @@ def connect(url: str, **options) -> redis.Redis:
     return Sentinel(spec.sentinels, sentinel_kwargs=asking).master_for(spec.service, **primary)
 
 
+class _Cluster(RedisCluster):
+    """redis-py's RedisCluster, whose own errors (no node holds a key's slot while the cluster is
+    failing over, none answers) are ConnectionErrors: every caller rides out a Redis outage by catching
+    RedisError, and RedisClusterException is none."""
+
+    def execute_command(self, *args, **kwargs):
+        try:
+            return super().execute_command(*args, **kwargs)
+        except RedisClusterException as exc:
+            raise redis.ConnectionError(f"Redis Cluster: {exc}") from exc
+
+
 def _cluster(url: str, options: dict) -> RedisCluster:
     spec = parse_cluster(url)
     try:
         # Made from the first node's URL, so redis-py reads its password and TLS options itself (and
         # makes each node's pool with `connection_pool_class`, which it does only for a URL); the
         # other hosts are further places to start from.
-        return RedisCluster(url=spec.node_url, startup_nodes=[ClusterNode(h, p) for h, p in spec.nodes[1:]],
+        return _Cluster(url=spec.node_url, startup_nodes=[ClusterNode(h, p) for h, p in spec.nodes[1:]],
                             **options)
     except RedisClusterException as exc:
         # Its own exception, which is no RedisError: said as the outage it is, and without the URL's
