@@ -583,7 +583,11 @@ def plot(report: dict, path: Path) -> None:
                 points = ceil["by_batch"][str(batch)]
                 tokens = sorted(int(t) for t in points)
                 axes[2].plot(tokens, [points[str(t)][mode].get("tokens_per_s") for t in tokens], style,
-                             marker="o", color=colour, label=f"{mode}, {batch} tokens per step")
+                             marker="o", color=colour, label=f"{mode}, {batch} tokens per step: measured")
+                bench_line = [points[str(t)][mode].get("bench_tokens_per_s") for t in tokens]
+                if any(bench_line):
+                    axes[2].plot(tokens, bench_line, style, marker="s", color=colour, alpha=0.35,
+                                 label=f"{mode}, {batch} tokens per step: redis-benchmark")
         axes[2].set(title=f"One Redis core's ceiling (costs measured on {label})", xlabel="tokens per request",
                     ylabel="generated tokens / s")
         axes[2].set_xscale("log")

@@ -120,14 +120,15 @@ def plot(rows: list[dict], path: Path) -> None:
         axes[0].plot([r["workers"] for r in mine], [r["tokens_per_s"] for r in mine], "o-", label=model)
         axes[2].plot([r["workers"] for r in mine], [r["redis_commands_per_token"] for r in mine], "o-",
                      label=model)
-    axes[0].set(title="Throughput", xlabel="workers", ylabel="generated tokens / s")
+    axes[0].set(title="Throughput", xlabel="workers", ylabel="generated tokens / s (log)")
+    axes[0].set_yscale("log")  # a tiny model and a real one: thousands and tens of tokens/s
     axes[2].set(title="Redis commands per generated token", xlabel="workers", ylabel="commands / token")
+    axes[2].set_ylim(bottom=0)
     for ax in (axes[0], axes[2]):
         ax.set_xticks(sorted({r["workers"] for r in rows}))
-        ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
         ax.legend()
-    labels = [f"{r['model']}\n{r['workers']} worker{'s' if r['workers'] > 1 else ''}" for r in rows]
+    labels = [f"{r['model'].replace('-135M-Instruct', '')} x{r['workers']}" for r in rows]
     bottom = [0.0] * len(rows)
     for role in (*ROLES, "others"):
         values = [r["others_cores"] if role == "others" else r["cores_used"][role] for r in rows]
@@ -136,7 +137,7 @@ def plot(rows: list[dict], path: Path) -> None:
     if rows:
         axes[1].axhline(rows[0]["machine_cores"], color="black", ls="--", lw=1, label="the machine's cores")
     axes[1].set(title="Where the CPU went during the crowd", ylabel="cores busy (CPU s / wall s)")
-    axes[1].tick_params(axis="x", labelsize=8)
+    axes[1].tick_params(axis="x", labelsize=8, labelrotation=35)
     axes[1].legend(fontsize=8)
     crowd = {f"{r['players']} players, {r['requests']} requests of {r['tokens'] // max(1, r['requests'])} tokens"
              for r in rows}
