@@ -37,14 +37,14 @@ from typing import Optional
 
 import redis
 
+# A model whose workers have all gone is listed as long as /metrics lists it (a day after its last
+# heartbeat): "no worker" is then a 0 that a scaler can act on, not a gap.
+from api.metrics import MODEL_MEMORY_S
 from shared import keys
 from shared.protocol import PRIORITIES, WorkerInfo
 from shared.redis_client import connect, explain, is_cluster_client, masked, server_time
 from shared.settings import Settings
 
-# A model whose workers have all gone is still listed this long after its last heartbeat (as
-# /metrics does, api/metrics.py): "no worker" is then a 0 that a scaler can act on, not a gap.
-MODEL_MEMORY_S = 24 * 3600
 TIMEOUT_S = 5.0
 
 
@@ -224,7 +224,8 @@ def main(argv: Optional[list[str]] = None, client: Optional[redis.Redis] = None)
         policy = Policy(args.per_worker, args.min_workers, args.max_workers, args.max_wait_s)
     except ValueError as exc:
         ap.error(str(exc))
-    given = {name: getattr(args, name) for name in ("redis_url", "redis_cluster") if getattr(args, name) is not None}
+    given = {name: getattr(args, name) for name in ("redis_url", "redis_cluster")
+             if getattr(args, name) is not None}
     try:  # the environment, then the flags; REDIS_CLUSTER=1 makes the URL a cluster's
         url = replace(Settings.from_env(), **given).redis_url
     except ValueError as exc:

@@ -484,8 +484,8 @@ def ceiling(per: dict, bench: list[dict], tokens: int, batch: int, worker_rates:
     cost_us = {b["label"]: b.get("redis_cpu_us") or 1e6 / b["rps"] for b in bench}
     out = {}
     # A delta more in one publish script: what 16 deltas cost over 1, per extra one.
-    extra_delta_us = max(0.0, (cost_us.get("EVALSHA publish (16 deltas)", 0) - cost_us.get("EVALSHA publish (1 delta)", 0))
-                         / 15) if bench else 0.0
+    extra_delta_us = max(0.0, (cost_us.get("EVALSHA publish (16 deltas)", 0)
+                               - cost_us.get("EVALSHA publish (1 delta)", 0)) / 15) if bench else 0.0
     for mode, unit in per.items():
         def per_token(cost: Callable[[str], float]) -> float:
             # A cost the fit puts below zero is noise around nothing: counted as nothing.
@@ -554,13 +554,15 @@ def plot(report: dict, path: Path) -> None:
         names = sorted({n for m in per.values() for u in m.values() for n in u
                         if n.startswith("sent:") and is_round_trip(n.removeprefix("sent:"))})
         scales = {"request": 1, "token": 100, "step": 10}
-        shown = [n for n in names if max(abs(per[m][u].get(n, 0)) * scales[u] for m in per for u in scales) >= 0.05]
+        shown = [n for n in names
+                 if max(abs(per[m][u].get(n, 0)) * scales[u] for m in per for u in scales) >= 0.05]
         bars = [(m, u) for m in ("whole", "streamed") for u in scales]
         width = 0.8 / len(bars)
         for i, (mode, unit) in enumerate(bars):
             axes[0].barh([y + (i - (len(bars) - 1) / 2) * width for y in range(len(shown))],
                          [per[mode][unit].get(n, 0) * scales[unit] for n in shown], width,
-                         label=f"{mode}, per {unit}" if scales[unit] == 1 else f"{mode}, per {scales[unit]} {unit}s")
+                         label=(f"{mode}, per {unit}" if scales[unit] == 1
+                                else f"{mode}, per {scales[unit]} {unit}s"))
         axes[0].set_yticks(range(len(shown)), [n.removeprefix("sent:") for n in shown], fontsize=8)
         axes[0].set(title=f"Round trips to Redis ({label})", xlabel="calls")
         axes[0].legend(fontsize=7)
