@@ -5,6 +5,7 @@ the keys and metrics the code uses."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -223,7 +224,7 @@ def test_a_real_queue_read_by_the_real_command(redis_server, real_redis):
 
     bare = subprocess.run([sys.executable, "-m", "api.scaling", "--suggested", "--model", MODEL,
                            "--per-worker", "5"], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                          env={**__import__("os").environ, "REDIS_URL": redis_server.url})
+                          env={**os.environ, "REDIS_URL": redis_server.url})
     assert (bare.returncode, bare.stdout) == (0, "2\n"), bare.stderr
 
 
