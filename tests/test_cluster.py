@@ -10,6 +10,10 @@ sharded pub/sub (SSUBSCRIBE on each model's primary), none by plain pub/sub. A w
 holding a job (its processing list, its registration) has the job put back and answered by the live
 worker of its model, and the answer published on that model's primary. A batch is refused with 501
 (RQ does not work with a cluster); files still upload.
+
+Then the cluster changes under a stream being written: a model's slot moves to another primary, and
+a model's primary (given a replica) is SIGKILLed; each stream ends whole and later requests are
+answered. A subscriber whose client knows an old layout follows the node's MOVED.
 """
 from __future__ import annotations
 
@@ -321,6 +325,69 @@ def _name_on(nodes: list[Node], node: Node, avoid: str) -> str:
     avoided = _slot(nodes, keys.queue(avoid))
     return next(name for name in (f"near-{i}" for i in range(1000)) if _primary_of(nodes, keys.queue(name)) is node
                 and _slot(nodes, keys.queue(name)) != avoided)
+
+
+def test_a_primary_killed_mid_stream_its_replica_takes_over(cluster, tiny_model_dirs, tmp_path):
+    """A model's primary, with a replica, is SIGKILLed while a stream is being written: the cluster
+    promotes the replica; the worker's commands fail until redis-py finds the new primary, and then
+    go on; the API's subscriber of the dead node moves the request's channels to the promoted one.
+    The stream ends whole, with the text the same request writes afterwards, and later requests are
+    answered. (Last in this file: the cluster keeps the replica as a primary, the killed node gone.)"""
+    nodes, model = cluster, "failing-tale"
+    primary = _primary_of(nodes, keys.queue(model))
+    replica = Node(tmp_path / "replica")
+    procs = []
+    try:
+        _wait(lambda: replica.client().ping(), "the replica to start", [replica])
+        made = subprocess.run([shutil.which("redis-cli"), "--cluster", "add-node", replica.address, primary.address,
+                               "--cluster-slave", "--cluster-master-id", _node_id(primary)],
+                              env={**os.environ, "REDISCLI_AUTH": PASSWORD}, capture_output=True, text=True,
+                              timeout=60)
+        assert made.returncode == 0, made.stdout + made.stderr
+        _wait(lambda: replica.client().info("replication").get("master_link_status") == "up",
+              "the replica to sync", [primary, replica])
+        url = f"redis+cluster://:{QUOTED}@{','.join(n.address for n in [*nodes, replica])}"
+        port = free_port()
+        procs.append(start(["worker", "--model", tiny_model_dirs["llama"], "--model-name", model, "--dtype",
+                            "float32", "--batch", "4", "--wait", "5"], tmp_path, "worker", REDIS_URL=url,
+                           STEP_DELAY_S="0.05"))
+        procs.append(start(["api", "--port", str(port), "--max-queue", "0", "--request-timeout", "60"], tmp_path,
+                           "api", REDIS_URL=url))
+        client = make_client(port)
+        wait_until(lambda: _served(client) == {model}, procs, f"/v1/models to list {model}", timeout=120)
+        request = dict(model=model, prompt="The gate", max_tokens=MOVING_TOKENS, temperature=0,
+                       extra_body={"ignore_eos": True})
+        assert client.completions.create(**request).choices[0].finish_reason == "length"  # all is up
+
+        text, finish, usage, killed_at = "", None, None, None
+        for chunk in client.completions.create(stream=True, stream_options={"include_usage": True}, **request):
+            if chunk.choices:
+                text += chunk.choices[0].text
+                finish = chunk.choices[0].finish_reason or finish
+            usage = chunk.usage or usage
+            if killed_at is None and text:
+                # Replication is asynchronous: the job taken and leased must be on the replica, or the
+                # fail-over loses it (which is no part of what is tested here).
+                assert primary.client().execute_command("WAIT", 1, 5000) == 1
+                primary.process.kill()
+                killed_at = len(text)
+        assert killed_at is not None and killed_at < len(text), "the kill came after the stream had ended"
+        assert finish == "length" and usage.completion_tokens == MOVING_TOKENS, logs(*procs)
+        assert replica.client().execute_command("ROLE")[0] == b"master"
+        assert client.completions.create(**request).choices[0].text == text, logs(*procs)
+        streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **request)
+                           if c.choices)
+        assert streamed == text
+        assert all(p.poll() is None for p in procs), logs(*procs)
+    finally:
+        for proc in procs:
+            stop(proc)
+        replica.stop()
+
+
+def _node_id(node: Node) -> str:
+    node_id = node.client().execute_command("CLUSTER MYID")
+    return node_id.decode() if isinstance(node_id, bytes) else node_id
 
 
 def _slot(nodes: list[Node], key: str) -> int:
