@@ -11,6 +11,7 @@ import argparse
 import importlib.util
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -88,9 +89,24 @@ def _config_string(text: str) -> str:
     return '"' + "".join(f"\\x{byte:02x}" for byte in text.encode()) + '"'
 
 
+# Below Linux's ephemeral range (32768-60999), where the OS picks the local ports of outgoing
+# connections: a port chosen from that range and released could be taken by any client's connection
+# before the server binds it (seen in CI: "Address already in use"). Ports up to 22767 also keep a
+# Redis Cluster node's bus port (its port + 10000) out of that range.
+_PRIVATE_PORTS = range(20000, 22768)
+
+
 def free_port() -> int:
     """A TCP port nobody listens on now, for a private Redis or API."""
-    with socket.socket() as s:
+    for _ in range(200):
+        port = random.choice(_PRIVATE_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # all tried ports taken: let the OS choose
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -206,11 +206,14 @@ def test_images_health_checks_pass_while_serving(images):
 def traffic(port: int) -> None:
     """Tokenizing (transformers without torch), a completion, a stream, a chat completion, an error."""
     with make_client(port) as client:
-        done = client.completions.create(model="tiny-llama", prompt="Once upon a time", max_tokens=5)
+        # ignore_eos: a random tiny model may write its end-of-text token early, and this checks the path
+        done = client.completions.create(model="tiny-llama", prompt="Once upon a time", max_tokens=5,
+                                         extra_body={"ignore_eos": True})
         assert done.usage.completion_tokens == 5
-        chunks = list(client.completions.create(model="tiny-llama", prompt="The dragon", max_tokens=4, stream=True))
+        chunks = list(client.completions.create(model="tiny-llama", prompt="The dragon", max_tokens=4, stream=True,
+                                                extra_body={"ignore_eos": True}))
         assert "".join(c.choices[0].text for c in chunks if c.choices)
-        chat = client.chat.completions.create(model="tiny-llama", max_tokens=3,
+        chat = client.chat.completions.create(model="tiny-llama", max_tokens=3, extra_body={"ignore_eos": True},
                                               messages=[{"role": "user", "content": "Hello"}])
         assert chat.usage.completion_tokens == 3
         with pytest.raises(openai.NotFoundError):

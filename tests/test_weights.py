@@ -116,6 +116,9 @@ def test_q4_1_unpacking_equals_gguf_dequantize(gguf_tensors, ours):
     assert unpacked.q.max() <= 15 and unpacked.d.shape == (rows, cols // 32)
     assert torch.equal(unpacked.dequantize(), reference)
     assert torch.equal(tensors["model.layers.0.mlp.down_proj.weight"].dequantize(), reference)
+    # Packed again for the C++ kernel: exactly the file's nibble bytes (each 20-byte block: d, m, 16)
+    file_nibbles = np.asarray(raw.data).reshape(rows, cols // 32, 20)[..., 4:].reshape(rows, cols // 2)
+    assert torch.equal(unpacked.nibbles(), torch.from_numpy(np.ascontiguousarray(file_nibbles)))
 
     # q and k: read_gguf returns them in Hugging Face's row order, still exactly the file's values
     for gguf_name, hf_name, heads in (
@@ -181,10 +184,12 @@ def test_byte_kernel_matches_the_files_exact_weights(ours, kernel, rows, dtype):
     layer = "model.layers.3."
     fused_qkv = Q41.cat([tensors[layer + f"self_attn.{p}_proj.weight"] for p in "qkv"])
     head = tensors["model.embed_tokens.weight"]
-    for w in (fused_qkv, tensors[layer + "mlp.down_proj.weight"], head):
+    down = tensors[layer + "mlp.down_proj.weight"]
+    # Q4_1 as the file packs it (two weights a byte) and a byte per weight; Q8_0 a byte per weight.
+    for w, q in ((fused_qkv, fused_qkv.nibbles()), (down, down.nibbles()), (down, down.q), (head, head.q)):
         n, k = w.shape
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
-        out = kernel.quantized_linear(x, w.q, w.d, w.m)
+        out = kernel.quantized_linear(x, q, w.d, w.m)
         assert out.shape == (rows, n) and out.dtype == dtype
         exact = x.double() @ w.dequantize().double().T
         summing = 1e-5 * (x.double().abs() @ w.dequantize().double().abs().T)

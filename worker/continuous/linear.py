@@ -8,7 +8,7 @@ number of rows: up to `small_rows` (--int4-rows) take the quantized path.
 Two quantized kernels exist, and which is faster depends on the CPU, by a lot: torch's int4 kernel
 (the Q4_1 blocks repacked without changing a value: scale = d, zero = m + 8 d) is fast with
 AVX-512 and was 60x slower than float32 on an AVX2-only CPU here; the C++ kernel of this engine
-(csrc/quantized.h: a byte per weight, AVX2) runs anywhere. `small_kernel` times both once per
+(csrc/quantized.h: the file's nibbles and bytes, AVX2) runs anywhere. `small_kernel` times both once per
 process on a layer of SmolLM2's shape and keeps the faster, or none if neither beats the dense
 product.
 
@@ -57,8 +57,9 @@ class Linear:
         self.q = self.d = self.m = None  # the file's own: a byte per weight, a scale and minimum per group
         if self.small == "int4":
             self.packed, self.scales_zeros = weight.pack_int4(dtype)
-        elif self.small == "bytes":
-            self.q, self.d, self.m = weight.q.contiguous(), weight.d.contiguous(), weight.m
+        elif self.small == "bytes":  # Q4_1 two weights to a byte, Q8_0 one
+            self.q = weight.nibbles() if isinstance(weight, Q41) else weight.q.contiguous()
+            self.d, self.m = weight.d.contiguous(), weight.m
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.small_rows:
@@ -94,7 +95,8 @@ def small_kernel(kernel, dtype) -> Optional[str]:
         packed = [w.pack_int4(dtype) for w in layers]
         ways["int4"] = lambda: [torch._weight_int4pack_mm_for_cpu(x, p, GROUP, sz) for p, sz in packed]
     if kernel is not None and hasattr(kernel, "quantized_linear"):
-        ways["bytes"] = lambda: [kernel.quantized_linear(x, w.q, w.d, w.m) for w in layers]
+        packed_q = [w.nibbles() for w in layers]
+        ways["bytes"] = lambda: [kernel.quantized_linear(x, q, w.d, w.m) for q, w in zip(packed_q, layers)]
     times = {}
     # On one thread: a multithreaded kernel timed while other processes hold the cores waits for
     # its slowest thread (once measured 120 ms where it takes 1.6), and the kernels' choice should

@@ -65,6 +65,13 @@ class Q41:
         """Rows picked (or reordered) by `index`: a row owns its scales, so they move with it."""
         return Q41(q=self.q[index], d=self.d[index], m=self.m[index])
 
+    def nibbles(self) -> torch.Tensor:
+        """uint8 [N, K // 2], as the file packs them: per group of 32, 16 bytes whose low nibbles are
+        weights 0-15 and high nibbles weights 16-31 (csrc/quantized.h reads this)."""
+        rows, cols = self.shape
+        halves = self.q.reshape(rows, cols // GROUP, 2, GROUP // 2)
+        return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(rows, cols // 2).contiguous()
+
     def pack_int4(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(packed, scales_and_zeros) for `torch._weight_int4pack_mm_for_cpu(x, packed, 32, scales_and_zeros)`.
 
