@@ -75,3 +75,14 @@ def real_redis(redis_server):
     client.flushdb()
     yield client
     client.flushdb()
+
+
+@pytest.fixture(scope="session")
+def kernel():
+    """The engine's C++ kernels (worker/continuous/csrc), built into the cache a worker uses."""
+    from shared.settings import Settings
+    from worker.continuous import kernels
+    module = kernels.build(Settings().cache_dir + "/kernels")
+    if module is None:
+        pytest.fail("the C++ kernels did not build (g++ and ninja come with the test setup)")
+    return module

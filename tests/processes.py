@@ -13,6 +13,7 @@ from pathlib import Path
 
 import openai
 import pytest
+import redis
 
 from shared.settings import Settings
 
@@ -81,6 +82,20 @@ def wait_until(ready, procs, what: str, timeout: float = 90) -> None:
             pass
         time.sleep(0.2)
     pytest.fail(f"timed out after {timeout:g}s waiting for {what}\n{logs(*procs)}")
+
+
+def wait_for_servers(ready, what: str, log_files: list[Path], timeout: float = 30) -> None:
+    """Poll ready() (Redis errors count as not yet) until true; fail with the tail of each server's log."""
+    give_up = time.monotonic() + timeout
+    while time.monotonic() < give_up:
+        try:
+            if ready():
+                return
+        except redis.RedisError:
+            pass
+        time.sleep(0.2)
+    pytest.fail(f"timed out waiting for {what}\n" + "\n".join(
+        f"----- {log.name} -----\n{log.read_text(errors='replace')[-2000:]}" for log in log_files))
 
 
 def models_served(port: int) -> set[str]:

@@ -7,7 +7,6 @@ import time
 import pytest
 import torch
 
-from shared.settings import Settings
 from worker.continuous import attention, kernels
 from worker.continuous.attention import KVCache, StepLayout
 
@@ -38,14 +37,6 @@ def make_step(dtype, rows=5, seed=0):
     step = StepLayout(slots=torch.empty(0, dtype=torch.long), decodes=rows, decode_tables=tables,
                       decode_lengths=lengths)
     return q, cache, step
-
-
-@pytest.fixture(scope="module")
-def kernel():
-    module = kernels.build(Settings().cache_dir + "/kernels")
-    if module is None:
-        pytest.fail("the C++ kernel did not build (g++ and ninja come with the test setup)")
-    return module
 
 
 @pytest.mark.parametrize("rows", [1, 3, 9])  # float32 below 4 rows and bf16 matmuls above, in torch

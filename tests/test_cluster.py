@@ -36,7 +36,7 @@ from api.broker import ShardedSubscriber
 from shared import keys
 from shared.protocol import Final, Job, SamplingParams, decode_result
 from shared.redis_client import connect
-from tests.processes import get_json, logs, make_client, start, stop, wait_until
+from tests.processes import get_json, logs, make_client, start, stop, wait_for_servers, wait_until
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -92,16 +92,7 @@ def _cluster_port() -> int:
 
 
 def _wait(ready, what: str, nodes: list[Node], timeout: float = 30) -> None:
-    give_up = time.monotonic() + timeout
-    while time.monotonic() < give_up:
-        try:
-            if ready():
-                return
-        except redis.RedisError:
-            pass
-        time.sleep(0.2)
-    pytest.fail(f"timed out waiting for {what}\n" + "\n".join(
-        f"----- {n.log} -----\n{n.log.read_text(errors='replace')[-2000:]}" for n in nodes))
+    wait_for_servers(ready, what, [n.log for n in nodes], timeout)
 
 
 @pytest.fixture(scope="module")
@@ -257,28 +248,10 @@ def test_a_models_slot_moved_to_another_primary_mid_stream(cluster, tiny_model_d
     url = f"redis+cluster://:{QUOTED}@{source.address}"
     port, procs = free_port(), []
     try:
-        # A slow worker (the test-only STEP_DELAY_S): the stream is still being written at the move.
-        procs.append(start(["worker", "--model", tiny_model_dirs["llama"], "--model-name", model, "--dtype",
-                            "float32", "--batch", "4", "--wait", "5"], tmp_path, "worker", REDIS_URL=url,
-                           STEP_DELAY_S="0.05"))
-        procs.append(start(["api", "--port", str(port), "--max-queue", "0", "--request-timeout", "60"], tmp_path,
-                           "api", REDIS_URL=url))
-        client = make_client(port)
-        wait_until(lambda: _served(client) == {model}, procs, f"/v1/models to list {model}", timeout=120)
-        request = dict(model=model, prompt="The gate", max_tokens=MOVING_TOKENS, temperature=0,
-                       extra_body={"ignore_eos": True})
-        assert client.completions.create(**request).choices[0].finish_reason == "length"  # all is up
+        client, request = _slow_stack(url, model, port, tiny_model_dirs, tmp_path, procs)
 
-        text, finish, usage, moved_at = "", None, None, None
-        for chunk in client.completions.create(stream=True, stream_options={"include_usage": True}, **request):
-            if chunk.choices:
-                text += chunk.choices[0].text
-                finish = chunk.choices[0].finish_reason or finish
-            usage = chunk.usage or usage
-            if moved_at is None and text:  # under way: move the model's slot
-                _move_slot(nodes, _slot(nodes, keys.queue(model)), source, target)
-                moved_at = len(text)
-        assert moved_at is not None and moved_at < len(text), "the move came after the stream had ended"
+        text, finish, usage = _stream_disturbed(
+            client, request, lambda: _move_slot(nodes, _slot(nodes, keys.queue(model)), source, target), "move")
         assert finish == "length" and usage.completion_tokens == MOVING_TOKENS, logs(*procs)
         assert _primary_of(nodes, keys.queue(model)) is target
         assert target.client().exists(keys.tokenizer(model)), "the model's keys moved with their slot"
@@ -348,30 +321,15 @@ def test_a_primary_killed_mid_stream_its_replica_takes_over(cluster, tiny_model_
               "the replica to sync", [primary, replica])
         url = f"redis+cluster://:{QUOTED}@{','.join(n.address for n in [*nodes, replica])}"
         port = free_port()
-        procs.append(start(["worker", "--model", tiny_model_dirs["llama"], "--model-name", model, "--dtype",
-                            "float32", "--batch", "4", "--wait", "5"], tmp_path, "worker", REDIS_URL=url,
-                           STEP_DELAY_S="0.05"))
-        procs.append(start(["api", "--port", str(port), "--max-queue", "0", "--request-timeout", "60"], tmp_path,
-                           "api", REDIS_URL=url))
-        client = make_client(port)
-        wait_until(lambda: _served(client) == {model}, procs, f"/v1/models to list {model}", timeout=120)
-        request = dict(model=model, prompt="The gate", max_tokens=MOVING_TOKENS, temperature=0,
-                       extra_body={"ignore_eos": True})
-        assert client.completions.create(**request).choices[0].finish_reason == "length"  # all is up
+        client, request = _slow_stack(url, model, port, tiny_model_dirs, tmp_path, procs)
 
-        text, finish, usage, killed_at = "", None, None, None
-        for chunk in client.completions.create(stream=True, stream_options={"include_usage": True}, **request):
-            if chunk.choices:
-                text += chunk.choices[0].text
-                finish = chunk.choices[0].finish_reason or finish
-            usage = chunk.usage or usage
-            if killed_at is None and text:
-                # Replication is asynchronous: the job taken and leased must be on the replica, or the
-                # fail-over loses it (which is no part of what is tested here).
-                assert primary.client().execute_command("WAIT", 1, 5000) == 1
-                primary.process.kill()
-                killed_at = len(text)
-        assert killed_at is not None and killed_at < len(text), "the kill came after the stream had ended"
+        def kill_primary():
+            # Replication is asynchronous: the job taken and leased must be on the replica, or the
+            # fail-over loses it (which is no part of what is tested here).
+            assert primary.client().execute_command("WAIT", 1, 5000) == 1
+            primary.process.kill()
+
+        text, finish, usage = _stream_disturbed(client, request, kill_primary, "kill")
         assert finish == "length" and usage.completion_tokens == MOVING_TOKENS, logs(*procs)
         assert replica.client().execute_command("ROLE")[0] == b"master"
         assert client.completions.create(**request).choices[0].text == text, logs(*procs)
@@ -383,6 +341,37 @@ def test_a_primary_killed_mid_stream_its_replica_takes_over(cluster, tiny_model_
         for proc in procs:
             stop(proc)
         replica.stop()
+
+
+def _slow_stack(url: str, model: str, port: int, tiny_model_dirs, tmp_path, procs: list) -> tuple:
+    """A slow worker (the test-only STEP_DELAY_S: a stream is still being written when the test
+    disturbs the cluster) and an API on `url`, appended to `procs`; (client, a request it answered)."""
+    procs.append(start(["worker", "--model", tiny_model_dirs["llama"], "--model-name", model, "--dtype",
+                        "float32", "--batch", "4", "--wait", "5"], tmp_path, "worker", REDIS_URL=url,
+                       STEP_DELAY_S="0.05"))
+    procs.append(start(["api", "--port", str(port), "--max-queue", "0", "--request-timeout", "60"], tmp_path,
+                       "api", REDIS_URL=url))
+    client = make_client(port)
+    wait_until(lambda: _served(client) == {model}, procs, f"/v1/models to list {model}", timeout=120)
+    request = dict(model=model, prompt="The gate", max_tokens=MOVING_TOKENS, temperature=0,
+                   extra_body={"ignore_eos": True})
+    assert client.completions.create(**request).choices[0].finish_reason == "length"  # all is up
+    return client, request
+
+
+def _stream_disturbed(client: openai.OpenAI, request: dict, disturb, what: str) -> tuple:
+    """Streams `request`, calling `disturb` once its first text has come; (text, finish, usage)."""
+    text, finish, usage, disturbed_at = "", None, None, None
+    for chunk in client.completions.create(stream=True, stream_options={"include_usage": True}, **request):
+        if chunk.choices:
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+        usage = chunk.usage or usage
+        if disturbed_at is None and text:  # under way
+            disturb()
+            disturbed_at = len(text)
+    assert disturbed_at is not None and disturbed_at < len(text), f"the {what} came after the stream had ended"
+    return text, finish, usage
 
 
 def _node_id(node: Node) -> str:

@@ -19,6 +19,7 @@ from shared.protocol import Final, Job, SamplingParams, WorkerInfo, decode_resul
 from shared.settings import Settings
 from tests.conftest import RedisServer
 from tests.test_job_queue import MODEL, _ids, _push
+from tests.test_leases import _listen
 from tests.tiny_models import tiny_tokenizer
 from worker import worker as worker_module
 from worker.job_queue import JobQueue
@@ -204,14 +205,6 @@ def _finals(pubsub) -> Counter:
         if message["type"] == "message" and isinstance(decode_result(message["data"]), Final):
             heard[message["channel"].decode().rsplit(":", 1)[1]] += 1
     return heard
-
-
-def _listen(client, *job_ids: str):
-    pubsub = client.pubsub()
-    pubsub.subscribe(*[keys.channel(MODEL, j) for j in job_ids])
-    for _ in job_ids:
-        assert pubsub.get_message(timeout=1)["type"] == "subscribe"
-    return pubsub
 
 
 def test_a_working_worker_answers_the_jobs_a_lost_take_left_once_each(fake_redis):

@@ -23,7 +23,7 @@ from rq import Queue, SimpleWorker
 from serve import free_port
 from shared import keys
 from shared.redis_client import connect
-from tests.processes import get_json, logs, make_client, models_served, start, stop, wait_until
+from tests.processes import get_json, logs, make_client, models_served, start, stop, wait_for_servers, wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -97,16 +97,7 @@ def answers(server: Server, **options) -> bool:
 
 
 def wait_for(ready, what: str, servers: list[Server], timeout: float = 30) -> None:
-    give_up = time.monotonic() + timeout
-    while time.monotonic() < give_up:
-        try:
-            if ready():
-                return
-        except redis.RedisError:
-            pass
-        time.sleep(0.2)
-    pytest.fail(f"timed out waiting for {what}\n" + "\n".join(
-        f"----- {s.log.name} -----\n{s.log.read_text(errors='replace')[-2000:]}" for s in servers))
+    wait_for_servers(ready, what, [s.log for s in servers], timeout)
 
 
 def ask(client: openai.OpenAI, i: int) -> dict:

@@ -163,16 +163,6 @@ def test_int4_kernel_matches_dequantized_matmul_in_bf16(ours, rows):
         assert ((out - exact).abs() <= bound).all()
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    from shared.settings import Settings
-    from worker.continuous import kernels
-    module = kernels.build(Settings().cache_dir + "/kernels")
-    if module is None:
-        pytest.fail("the C++ kernels did not build (g++ and ninja come with the test setup)")
-    return module
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("rows", [1, 3, 8, 11])  # 11: more rows than the kernel does at once
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
