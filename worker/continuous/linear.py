@@ -36,10 +36,12 @@ PACK_ROWS_HINT = 64  # oneDNN blocks the packed weight for steps of about this m
 
 class Linear:
     def __init__(self, weight: Union[torch.Tensor, Quantized], bias: Optional[torch.Tensor], dtype,
-                 device, small_rows: int = 0, kernel=None):
-        """`kernel`: the engine's C++ module (kernels.build), or None."""
+                 device, small_rows: int = 0, kernel=None, dense: Optional[torch.Tensor] = None):
+        """`kernel`: the engine's C++ module (kernels.build), or None. `dense`: the weight already
+        dequantized in `dtype` on `device` (a tied embedding's table), shared instead of made again."""
         quantized = isinstance(weight, (Q41, Q80))
-        self.weight = (weight.dequantize() if quantized else weight).to(device=device, dtype=dtype)
+        self.weight = dense if dense is not None else \
+            (weight.dequantize() if quantized else weight).to(device=device, dtype=dtype)
         self.bias = None if bias is None else bias.to(device=device, dtype=dtype)
         self.out_features = self.weight.shape[0]
         self.onednn = device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()

@@ -60,10 +60,13 @@ class Llama:
                 gate_up=linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
                 down=linear([p + "mlp.down_proj.weight"])))
         self.norm = tensor("model.norm.weight")
-        # The file's own head, or the embedding (for SmolLM2 its Q8_0 blocks, kept for small steps).
-        head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
+        # The file's own head, or the embedding (for SmolLM2 its Q8_0 blocks, kept for small steps;
+        # its dense copy is the embedding table itself).
+        tied = "lm_head.weight" not in tensors
+        head = tensors["model.embed_tokens.weight"] if tied else tensors["lm_head.weight"]
         head = quantize_q4_1(head.float()) if int4_head else head
-        self.head = Linear(head, None, dtype, device, 1 << 30 if int4_head else int4_rows, kernel)
+        self.head = Linear(head, None, dtype, device, 1 << 30 if int4_head else int4_rows, kernel,
+                           dense=self.embed if tied else None)
 
         rotary = LlamaRotaryEmbedding(config)
         positions = torch.arange(config.max_position_embeddings)[None]
