@@ -187,6 +187,85 @@ def test_byte_kernel_matches_the_files_exact_weights(ours, kernel, rows, dtype):
         assert ((out.double() - exact).abs() <= summing + rounding).all()
 
 
+def _head_rows(head: Q80, count: int) -> Q80:
+    return Q80(q=head.q[:count].contiguous(), d=head.d[:count].contiguous())
+
+
+def _rounded_per_group(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as csrc/vnni.h rounds it, to 8 bits per group of 32: q = round(x * (127 / max|x|)) and
+    scale max|x| / 127, in float32 as the kernel computes them; returned as q * scale in float64,
+    with the step each value may also have taken: the scale where x * 127 / max|x| lies within
+    1e-3 of half-way between two integers (common in bf16), which float32's last bit decides, else 0."""
+    rows, k = x.shape
+    groups = x.float().view(rows, k // 32, 32)
+    top = groups.abs().amax(-1, keepdim=True)
+    scaled = groups * torch.where(top > 0, 127 / top, 0)
+    scale = (top / 127).double().expand(-1, -1, 32)
+    near_half = ((scaled - scaled.floor() - 0.5).abs() < 1e-3)
+    return ((scaled.round().double() * scale).view(rows, k),
+            torch.where(near_half, scale, 0).reshape(rows, k))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rows", [1, 3, 8, 11])  # 11: more rows than the kernel does at once
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_kernel_is_the_files_weights_times_activations_rounded_per_group(ours, kernel, rows, dtype):
+    """The integer kernel (csrc/vnni.h) on the file's Q4_1 layers and Q8_0 head, and on shapes whose
+    last chunk is partial, against a float64 product of the exactly dequantized weights with the
+    activations rounded as the kernel rounds them (Q4_1's minimums meet the exact sums of x).
+    Only float32 summation (and bf16's rounding of input and output) may differ; and the rounding
+    of x keeps the result within half a step of each group's scale of the exact product."""
+    if not hasattr(kernel, "int8_linear"):
+        pytest.skip("this CPU has no AVX-512 VNNI: the integer kernel is not built")
+    _, tensors = ours
+    layer = "model.layers.3."
+    cases = [Q41.cat([tensors[layer + f"self_attn.{p}_proj.weight"] for p in "qkv"]),  # 18 groups: 4 chunks + 2
+             tensors[layer + "mlp.down_proj.weight"], _head_rows(tensors["model.embed_tokens.weight"], 4096),
+             _random_q41(40, 96, seed=1), _random_q41(24, 608, seed=2)]  # 3 groups; 19 groups
+    g = torch.Generator().manual_seed(3)
+    cases.append(Q80(q=torch.randint(-128, 128, (24, 608), dtype=torch.int8, generator=g),  # 19: 9 chunks + 1
+                     d=(torch.rand(24, 19, generator=g) * 0.01).half().float()))
+    for w in cases:
+        n, k = w.shape
+        x = (torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3).to(dtype)
+        out = kernel.int8_linear(x, w.int8_packed(), isinstance(w, Q41))
+        assert out.shape == (rows, n) and out.dtype == dtype
+        weights = w.dequantize().double()
+        rounded, either_way = _rounded_per_group(x)
+        expected = rounded @ weights.T
+        scaled = weights  # the part of each weight that meets the rounded x: d * q
+        if isinstance(w, Q41):  # the minimums' share uses x's exact group sums
+            sums = x.double().view(rows, k // 32, 32).sum(-1) - rounded.view(rows, k // 32, 32).sum(-1)
+            expected += sums @ w.m.double().T
+            scaled = weights - w.m.double().repeat_interleave(32, dim=1)
+        summing = 1e-5 * (rounded.abs() @ scaled.abs().T) + either_way @ scaled.abs().T
+        rounding = BF16_HALF_ULP * expected.abs() if dtype == torch.bfloat16 else 0
+        assert ((out.double() - expected).abs() <= summing + rounding).all()
+        exact = x.double() @ weights.T
+        step = (x.double().view(rows, k // 32, 32).abs().amax(-1) / 127).repeat_interleave(32, dim=1)
+        assert ((out.double() - exact).abs() <= (step / 2) @ weights.abs().T + summing + rounding).all()
+
+
+def test_int8_packing_keeps_the_files_bytes_chunk_by_chunk():
+    """Q4_1: per chunk of 4 groups, 64 bytes of nibbles, 4 float16 scales, 4 minimums; Q8_0: per
+    chunk of 2 groups, 64 weights and 2 scales; a row's last chunk holds what is left."""
+    w = _random_q41(3, 32 * 6)  # 6 groups: a chunk of 4, then one of 2
+    packed = w.int8_packed()
+    assert packed.shape == (3, 6 * 20) and packed.dtype == torch.uint8
+    nib, halves = w.nibbles(), lambda v: v.half().view(torch.uint8)
+    assert torch.equal(packed[:, :64], nib[:, :64])
+    assert torch.equal(packed[:, 64:72], halves(w.d[:, :4])) and torch.equal(packed[:, 72:80], halves(w.m[:, :4]))
+    assert torch.equal(packed[:, 80:112], nib[:, 64:96])
+    assert torch.equal(packed[:, 112:116], halves(w.d[:, 4:])) and torch.equal(packed[:, 116:120], halves(w.m[:, 4:]))
+    q = Q80(q=torch.arange(-96, 96, dtype=torch.int8).repeat(2, 1), d=torch.rand(2, 6).half().float())
+    packed = q.int8_packed()
+    assert packed.shape == (2, 6 * 34)
+    for chunk in range(3):
+        at = chunk * 68
+        assert torch.equal(packed[:, at:at + 64], q.q[:, chunk * 64:(chunk + 1) * 64].view(torch.uint8))
+        assert torch.equal(packed[:, at + 64:at + 68], halves(q.d[:, chunk * 2:chunk * 2 + 2]))
+
+
 @pytest.fixture(scope="module")
 def transformers_model():
     # transformers' own GGUF path: gguf's numpy dequantizer and its own q/k un-permutation (~17 s)

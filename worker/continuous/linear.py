@@ -5,12 +5,14 @@ blocks (Q4_1 layers, the Q8_0 head) stream far fewer bytes than a dense copy. At
 step it is bound by arithmetic, and the dense product wins. The choice is made per call, by the
 number of rows: up to `small_rows` (--int4-rows) take the quantized path.
 
-Two quantized kernels exist, and which is faster depends on the CPU, by a lot: torch's int4 kernel
-(the Q4_1 blocks repacked without changing a value: scale = d, zero = m + 8 d) is fast with
-AVX-512 and was 60x slower than float32 on an AVX2-only CPU here; the C++ kernel of this engine
-(csrc/quantized.h: the file's nibbles and bytes, AVX2) runs anywhere. `small_kernel` times both once per
-process on a layer of SmolLM2's shape and keeps the faster, or none if neither beats the dense
-product.
+Three quantized kernels exist, and which is faster depends on the CPU, by a lot: torch's int4
+kernel (the Q4_1 blocks repacked without changing a value: scale = d, zero = m + 8 d) is fast with
+AVX-512 and was 60x slower than float32 on an AVX2-only CPU here; this engine's float kernel
+(csrc/quantized.h: the file's nibbles and bytes, AVX2) runs anywhere; its integer kernel
+(csrc/vnni.h: the activations rounded to 8 bits per group, as llama.cpp does, and the file's bytes
+multiplied in int8 with AVX-512 VNNI) is the fastest where the CPU has it, and the one that also
+runs the Q8_0 head. `small_kernel` times them once per process on layers of SmolLM2's shape and
+keeps the fastest, or none if none beats the dense product.
 
 On the CPU in bf16 the dense weight is stored pre-packed in oneDNN's blocked layout, the same
 kernel that torch.compile's freezing pass uses: measured 1.1-2x faster than F.linear on the same
@@ -54,11 +56,14 @@ class Linear:
         if self.small == "int4" and not isinstance(weight, Q41):
             self.small = None  # torch's int4 kernel takes 4-bit values only
         self.small_rows = small_rows if self.small else 0
+        self.q4_1 = isinstance(weight, Q41)
         self.kernel = kernel
-        self.packed = self.scales_zeros = None  # torch's int4 layout
+        self.packed = self.scales_zeros = None  # torch's int4 layout, or the file's bytes for "int8"
         self.q = self.d = self.m = None  # the file's own: a byte per weight, a scale and minimum per group
         if self.small == "int4":
             self.packed, self.scales_zeros = weight.pack_int4(dtype)
+        elif self.small == "int8":
+            self.packed = weight.int8_packed()
         elif self.small == "bytes":  # Q4_1 two weights to a byte, Q8_0 one
             self.q = weight.nibbles() if isinstance(weight, Q41) else weight.q.contiguous()
             self.d, self.m = weight.d.contiguous(), weight.m
@@ -67,6 +72,8 @@ class Linear:
         if x.shape[0] <= self.small_rows:
             if self.small == "int4":
                 out = torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
+            elif self.small == "int8":
+                out = self.kernel.int8_linear(x, self.packed, self.q4_1)
             else:
                 out = self.kernel.quantized_linear(x, self.q, self.d, self.m)
             return out if self.bias is None else out + self.bias
@@ -77,13 +84,15 @@ class Linear:
     def for_kernel(self):
         """This layer as the C++ decoder holds it (sharing these tensors, not copying them)."""
         small = {"int4": (1, self.packed, self.scales_zeros, None),
-                 "bytes": (2, self.q, self.d, self.m)}.get(self.small, (0, None, None, None))
+                 "bytes": (2, self.q, self.d, self.m),
+                 "int8": (3 if self.q4_1 else 4, self.packed, None, None)}.get(self.small, (0, None, None, None))
         return self.kernel.Linear(self.weight, self.onednn, small[0], *small[1:], self.small_rows)
 
 
 @lru_cache(maxsize=None)
 def small_kernel(kernel, dtype) -> Optional[str]:
-    """"int4" (torch's), "bytes" (ours) or None (dense is fastest): timed once on this CPU, at one row.
+    """"int4" (torch's), "bytes" or "int8" (ours) or None (dense is fastest): timed once on this
+    CPU, at one row.
 
     Timed on 16 layers of SmolLM2's MLP shape in turn, ~56 MB dense in float32: more than a CPU's
     cache, so the weights stream from memory as a real step's do (a single layer that stays in
@@ -99,6 +108,9 @@ def small_kernel(kernel, dtype) -> Optional[str]:
     if kernel is not None and hasattr(kernel, "quantized_linear"):
         packed_q = [w.nibbles() for w in layers]
         ways["bytes"] = lambda: [kernel.quantized_linear(x, q, w.d, w.m) for q, w in zip(packed_q, layers)]
+    if kernel is not None and hasattr(kernel, "int8_linear"):
+        packed_8 = [w.int8_packed() for w in layers]
+        ways["int8"] = lambda: [kernel.int8_linear(x, p, True) for p in packed_8]
     times = {}
     # On one thread: a multithreaded kernel timed while other processes hold the cores waits for
     # its slowest thread (once measured 120 ms where it takes 1.6), and the kernels' choice should

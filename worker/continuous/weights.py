@@ -72,6 +72,11 @@ class Q41:
         halves = self.q.reshape(rows, cols // GROUP, 2, GROUP // 2)
         return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(rows, cols // 2).contiguous()
 
+    def int8_packed(self) -> torch.Tensor:
+        """uint8 [N, K // 32 * 20]: the file's Q4_1 bytes in csrc/vnni.h's order, per chunk of 4
+        groups: their 64 bytes of nibbles, then their 4 scales, then their 4 minimums (float16)."""
+        return _chunked([self.nibbles(), _halves(self.d), _halves(self.m)], 4)
+
     def pack_int4(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(packed, scales_and_zeros) for `torch._weight_int4pack_mm_for_cpu(x, packed, 32, scales_and_zeros)`.
 
@@ -108,7 +113,27 @@ class Q80:
         return (self.q.reshape(rows, cols // GROUP, GROUP).float() * self.d[..., None]).reshape(rows, cols)
 
 
+    def int8_packed(self) -> torch.Tensor:
+        """uint8 [N, K // 32 * 34]: the file's Q8_0 bytes in csrc/vnni.h's order, per chunk of 2
+        groups: their 64 weights, then their 2 scales (float16)."""
+        return _chunked([self.q.view(torch.uint8), _halves(self.d)], 2)
+
+
 Quantized = Union[Q41, Q80]
+
+
+def _halves(values: torch.Tensor) -> torch.Tensor:
+    """float32 [N, G] as float16 bytes [N, G * 2] (the file's scales are float16: exact)."""
+    return values.to(torch.float16).contiguous().view(torch.uint8)
+
+
+def _chunked(parts: list[torch.Tensor], groups: int) -> torch.Tensor:
+    """Byte matrices [N, G * b_i] (parts[-1] holds 2 bytes a group) interleaved chunk by chunk:
+    `groups` groups of each part in turn (fewer in the last chunk)."""
+    count = parts[-1].shape[1] // 2
+    per_group = [p.shape[1] // count for p in parts]
+    pieces = [p[:, g * b:(g + groups) * b] for g in range(0, count, groups) for p, b in zip(parts, per_group)]
+    return torch.cat(pieces, dim=1).contiguous()
 
 
 def read_gguf(path: str) -> tuple[transformers.PretrainedConfig, dict[str, torch.Tensor | Q41]]:
