@@ -27,7 +27,7 @@ class ModelRunner:
         logits, sampled = self.logits(plan)
         if not sampled:
             return []
-        tokens = sample(logits, [r.seq.params for r in sampled], [r.seq.generator for r in sampled])
+        tokens = sample(logits, [r.seq.params for r in sampled], [r.seq.generator for r in sampled], self.kernel)
         return list(zip(sampled, tokens))
 
     @torch.inference_mode()

@@ -11,6 +11,7 @@
 
 #include "attention.h"
 #include "quantized.h"
+#include "sampling.h"
 #include "vnni.h"
 
 namespace storyteller {
@@ -207,6 +208,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "x @ w.T with x rounded to 8 bits per group of 32 (AVX-512 VNNI)",
         py::call_guard<py::gil_scoped_release>());
 #endif
+  m.def("sample_rows", &sample_rows, "a token per row from softmax(logits / temperature), by inverse CDF",
+        py::call_guard<py::gil_scoped_release>());
   py::class_<LlamaDecoder>(m, "LlamaDecoder")
       .def(py::init<int64_t, int64_t, int64_t, double>())
       .def("add_layer", &LlamaDecoder::add_layer)
