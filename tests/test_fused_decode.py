@@ -13,6 +13,7 @@ import torch
 from shared.protocol import Job, SamplingParams
 from shared.settings import Settings
 from worker.continuous import engine as continuous
+from worker.continuous import model_runner
 from worker.continuous.linear import Linear
 from worker.model_loader import load
 
@@ -77,10 +78,51 @@ def test_a_decode_step_in_cpp_equals_the_python_layers(engine):
         assert torch.equal(model.logits(fused).argmax(-1), model.logits(python).argmax(-1))
 
 
-def test_steps_with_prefill_chunks_stay_on_the_python_layers(engine):
-    engine.add(Job(id="late", model="m", prompt_ids=list(range(10, 40)),
+def _newcomer(engine, name: str, length: int):
+    engine.add(Job(id=name, model="m", prompt_ids=[10 + t % 40 for t in range(length)],
                    params=SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), timeout_s=60))
-    plan = engine.scheduler.schedule()
+    return engine.scheduler.schedule()
+
+
+def test_a_short_prompt_beside_the_decodes_runs_as_rows_of_the_cpp_decoder(engine, monkeypatch):
+    """The newcomer's prompt tokens become rows (each its own position, attending through its
+    request's blocks): the whole step stays in C++, and computes what the Python layers compute
+    with torch's causal attention over the chunk."""
+    runner, model = engine.runner, engine.runner.model
+    plan = _newcomer(engine, "short", 11)
+    ids, positions, rows_step, _, _ = runner._layout(plan)
+    assert not rows_step.chunks and rows_step.decodes == len(ids) == 6 + 11
+    assert rows_step.decode_lengths[6:].tolist() == list(range(1, 12))  # causal: position + 1
+    monkeypatch.setattr(model_runner, "CHUNKS_AS_ROWS", 0)
+    _, _, chunk_step, _, _ = runner._layout(plan)
+    assert len(chunk_step.chunks) == 1 and chunk_step.decodes == 6
+    cache = runner.cache
+    before_k, before_v = cache.k.clone(), cache.v.clone()
+    with torch.inference_mode():
+        as_rows = model.forward(ids, positions, cache, rows_step).clone()
+        rows_k = cache.k.clone()
+        cache.k.copy_(before_k)
+        cache.v.copy_(before_v)
+        layers = model.forward(ids, positions, cache, chunk_step)
+    tolerance = 1e-4 if as_rows.dtype == torch.float32 else 5e-2
+    assert torch.allclose(as_rows.float(), layers.float(), atol=tolerance, rtol=tolerance)
+    written = rows_step.slots
+    assert torch.allclose(rows_k[:, :, :].flatten(2, 3)[:, :, written].float(),
+                          cache.k.flatten(2, 3)[:, :, written].float(), atol=tolerance, rtol=tolerance)
+    calls = []
+    decoder = model.decoder
+    model.decoder = type("Spy", (), {"forward": lambda self, *a: calls.append(a) or a[0]})()
+    try:
+        with torch.inference_mode():
+            model.forward(ids, positions, cache, rows_step)
+    finally:
+        model.decoder = decoder
+    assert len(calls) == 1
+
+
+def test_a_prompt_chunk_attending_to_much_stays_on_the_python_layers(engine, monkeypatch):
+    monkeypatch.setattr(model_runner, "CHUNKS_AS_ROWS", 1)  # any chunk attends to more than that
+    plan = _newcomer(engine, "late", 30)
     _, _, step, _, _ = engine.runner._layout(plan)
     assert step.chunks, "the newcomer's prompt is a chunk of this step"
     calls = []
