@@ -84,6 +84,10 @@ class Settings:
     int4_rows: int = _setting(8, "run the model's quantized layers (the GGUF's Q4_1 blocks and Q8_0 "
                                  "head) on the quantized kernel this CPU runs fastest when a step "
                                  "has at most this many tokens (0: never)")
+    small_kernel: str = _setting("auto", "the quantized kernel of those steps: auto (the fastest here, "
+                                         "timed at start) | int8 (AVX-512 VNNI; the activations "
+                                         "rounded to 8 bits, as llama.cpp does) | int4 (torch's) | "
+                                         "bytes (float, any CPU) | dense (none)")
     int4_head: bool = _setting(False, "also requantize the output head to 4 bits (faster, less "
                                       "exact)")
     torch_threads: int = _setting(0, "threads for the model's arithmetic (0: torch's choice, one "

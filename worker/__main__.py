@@ -1,6 +1,7 @@
 """python -m worker: load the model once, then serve its queue until SIGTERM."""
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
@@ -15,6 +16,7 @@ from shared.redis_client import connect, explain, masked
 from shared.settings import Settings
 from worker import clock, metrics, model_loader
 from worker.continuous import engine as continuous
+from worker.continuous.linear import SMALL_KERNELS
 from worker.continuous.scheduler import POLICIES
 from worker.job_queue import JobQueue
 from worker.static_engine import StaticEngine
@@ -22,7 +24,7 @@ from worker.worker import Worker
 
 FLAGS = ["redis_url", "redis_cluster", "model", "model_name", "engine", "batch", "wait_ms", "dtype", "device",
          "block_size", "kv_blocks", "kv_memory", "max_batch_tokens", "prefill_chunk", "scheduler", "prefix_caching",
-         "int4_rows", "int4_head", "torch_threads", "cache_dir", "max_attempts", "metrics_port"]
+         "int4_rows", "small_kernel", "int4_head", "torch_threads", "cache_dir", "max_attempts", "metrics_port"]
 STATIC_DEFAULT_BATCH = 64
 # A cut link stalls TCP without an error (no RST): each Redis call gives up after this, so a worker
 # behind one logs it, goes on trying, and reconnects once the link is back, instead of waiting on a
@@ -37,6 +39,8 @@ def check(settings: Settings) -> None:
         raise SystemExit(f"--engine {settings.engine!r}: expected continuous or static")
     if settings.scheduler not in POLICIES:
         raise SystemExit(f"--scheduler {settings.scheduler!r}: expected one of {', '.join(POLICIES)}")
+    if settings.small_kernel not in SMALL_KERNELS:
+        raise SystemExit(f"--small-kernel {settings.small_kernel!r}: expected one of {', '.join(SMALL_KERNELS)}")
     for name in ("batch", "kv_blocks", "int4_rows", "torch_threads"):
         if getattr(settings, name) < 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be 0 or more")
@@ -53,7 +57,10 @@ def check(settings: Settings) -> None:
 def make_engine(settings: Settings, loaded: model_loader.LoadedModel):
     """The engine asked for; the static one when the continuous one has no code for the model."""
     if settings.engine == "continuous":
-        engine = continuous.build(loaded, settings, loaded.weights(), loaded.config)
+        try:
+            engine = continuous.build(loaded, settings, loaded.weights(), loaded.config)
+        except ValueError as exc:  # a setting this machine cannot honour (--small-kernel)
+            raise SystemExit(f"worker: {exc}")
         if engine is not None:
             # The engine holds what it needs, repacked: transformers' copy and the tensors can go.
             loaded.model = loaded.tensors = None
@@ -83,6 +90,10 @@ def main(argv=None) -> None:
     loaded = model_loader.load(settings.model, settings.model_name, settings.dtype, settings.device,
                                transformers_model=settings.engine == "static", cache_dir=settings.cache_dir)
     engine, loaded = make_engine(settings, loaded)
+    # What loading made lives as long as the worker: out of the collector's sight, so its passes
+    # over the young objects a step makes stay short (a lone player's step 5.70 -> 5.48 ms here).
+    gc.collect()
+    gc.freeze()
     files = model_loader.tokenizer_files(loaded.tokenizer)
     worker_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     queue = JobQueue(client, worker_id, loaded.name, settings.answer_ttl_s, settings.max_attempts)

@@ -12,7 +12,7 @@ import os
 
 from shared.protocol import Job
 from shared.settings import Settings
-from worker.continuous import kernels, models
+from worker.continuous import kernels, linear, models
 from worker.continuous.attention import KVCache
 from worker.continuous.block_manager import BlockManager
 from worker.continuous.model_runner import ModelRunner
@@ -184,6 +184,7 @@ def build(loaded: LoadedModel, settings: Settings, tensors: dict, config):
         return None
     cpu = loaded.device.type == "cpu"
     kernel = kernels.build(os.path.join(settings.cache_dir, "kernels")) if cpu and settings.cache_dir else None
+    linear.check_small_kernel(settings.small_kernel, kernel)
     model = models.build(config, tensors, loaded.dtype, loaded.device, settings.int4_rows if cpu else 0,
-                         settings.int4_head, kernel)
+                         settings.int4_head, kernel, settings.small_kernel)
     return ContinuousEngine(loaded, model, settings, kernel)

@@ -38,9 +38,11 @@ PACK_ROWS_HINT = 64  # oneDNN blocks the packed weight for steps of about this m
 
 class Linear:
     def __init__(self, weight: Union[torch.Tensor, Quantized], bias: Optional[torch.Tensor], dtype,
-                 device, small_rows: int = 0, kernel=None, dense: Optional[torch.Tensor] = None):
+                 device, small_rows: int = 0, kernel=None, dense: Optional[torch.Tensor] = None,
+                 small: str = "auto"):
         """`kernel`: the engine's C++ module (kernels.build), or None. `dense`: the weight already
-        dequantized in `dtype` on `device` (a tied embedding's table), shared instead of made again."""
+        dequantized in `dtype` on `device` (a tied embedding's table), shared instead of made again.
+        `small`: the quantized kernel of small steps (SMALL_KERNELS; "auto": `small_kernel`'s pick)."""
         quantized = isinstance(weight, (Q41, Q80))
         self.weight = dense if dense is not None else \
             (weight.dequantize() if quantized else weight).to(device=device, dtype=dtype)
@@ -52,7 +54,9 @@ class Linear:
                 self.weight = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_ROWS_HINT)
             except RuntimeError:  # oneDNN's bf16 packing needs AVX-512 (or AVX-NE-CONVERT)
                 self.onednn = False
-        self.small = small_kernel(kernel, dtype) if quantized and small_rows and device.type == "cpu" else None
+        self.small = None
+        if quantized and small_rows and device.type == "cpu":
+            self.small = small_kernel(kernel, dtype) if small == "auto" else None if small == "dense" else small
         if self.small == "int4" and not isinstance(weight, Q41):
             self.small = None  # torch's int4 kernel takes 4-bit values only
         self.small_rows = small_rows if self.small else 0
@@ -87,6 +91,21 @@ class Linear:
                  "bytes": (2, self.q, self.d, self.m),
                  "int8": (3 if self.q4_1 else 4, self.packed, None, None)}.get(self.small, (0, None, None, None))
         return self.kernel.Linear(self.weight, self.onednn, small[0], *small[1:], self.small_rows)
+
+
+SMALL_KERNELS = ("auto", "int8", "int4", "bytes", "dense")
+
+
+def check_small_kernel(name: str, kernel) -> None:
+    """Refuses a kernel this process cannot run (--small-kernel), with the reason."""
+    if name not in SMALL_KERNELS:
+        raise ValueError(f"--small-kernel {name!r}: one of {', '.join(SMALL_KERNELS)}")
+    needs = {"int8": "int8_linear", "bytes": "quantized_linear"}.get(name)
+    if needs and not hasattr(kernel, needs):
+        why = "the C++ kernels were not built" if kernel is None else "this CPU has no AVX-512 VNNI"
+        raise ValueError(f"--small-kernel {name}: unavailable here ({why})")
+    if name == "int4" and not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
+        raise ValueError("--small-kernel int4: this torch has no int4 kernel for the CPU")
 
 
 @lru_cache(maxsize=None)
@@ -139,6 +158,11 @@ def fuse(parts: list) -> Union[torch.Tensor, Q41]:
     if all(isinstance(p, Q41) for p in parts):
         return Q41.cat(parts)
     return torch.cat([p.dequantize() if isinstance(p, (Q41, Q80)) else p for p in parts])
+
+
+def dense_float(weight: Union[torch.Tensor, Quantized]) -> torch.Tensor:
+    """A weight as a float32 matrix, dequantized if the file keeps it quantized."""
+    return weight.dequantize() if isinstance(weight, (Q41, Q80)) else weight.float()
 
 
 def quantize_q4_1(weight: torch.Tensor) -> Q41:

@@ -43,8 +43,12 @@ void decode(const T* q, int64_t q_stride, const T* k, const T* v, const int64_t*
   const int64_t dim = DIM > 0 ? DIM : dim_at_run_time;
   const int64_t group = heads / kv_heads;
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(group * dim), acc(group * dim), scores, total(group);
-    std::vector<float> block_f(block_size * dim);
+    // Each thread's buffers live as long as the thread: a step calls this once a layer.
+    thread_local std::vector<float> query, acc, scores, total, block_f;
+    query.resize(group * dim);
+    acc.resize(group * dim);
+    total.resize(group);
+    block_f.resize(block_size * dim);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row = item / kv_heads, kv = item % kv_heads, length = lengths[row];
       const T* q_row = q + row * q_stride + kv * group * dim;

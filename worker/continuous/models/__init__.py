@@ -17,5 +17,6 @@ def unsupported(config) -> Optional[str]:
     return family.unsupported(config)
 
 
-def build(config, tensors: dict, dtype, device, int4_rows: int = 0, int4_head: bool = False, kernel=None):
-    return FAMILIES[config.model_type](config, tensors, dtype, device, int4_rows, int4_head, kernel)
+def build(config, tensors: dict, dtype, device, int4_rows: int = 0, int4_head: bool = False, kernel=None,
+          small: str = "auto"):
+    return FAMILIES[config.model_type](config, tensors, dtype, device, int4_rows, int4_head, kernel, small)

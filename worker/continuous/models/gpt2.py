@@ -10,7 +10,7 @@ from transformers.activations import ACT2FN
 
 from worker.continuous import attention
 from worker.continuous.attention import KVCache, StepLayout
-from worker.continuous.linear import Linear, quantize_q4_1
+from worker.continuous.linear import Linear, dense_float, quantize_q4_1
 
 
 class GPT2:
@@ -23,7 +23,7 @@ class GPT2:
         return None
 
     def __init__(self, config, tensors: dict, dtype, device, int4_rows: int = 0, int4_head: bool = False,
-                 kernel=None):
+                 kernel=None, small: str = "auto"):
         self.heads = self.kv_heads = config.n_head
         self.head_dim = config.n_embd // config.n_head
         self.layers = config.n_layer
@@ -48,8 +48,8 @@ class GPT2:
                 fc=conv1d(p + "mlp.c_fc"), proj=conv1d(p + "mlp.c_proj")))
         self.ln_f = (tensor("ln_f.weight"), tensor("ln_f.bias"))
         head = tensors.get("lm_head.weight", self.wte)
-        head = quantize_q4_1(head.float()) if int4_head else head
-        self.head = Linear(head, None, dtype, device, 1 << 30 if int4_head else 0, kernel)
+        head = quantize_q4_1(dense_float(head)) if int4_head else head
+        self.head = Linear(head, None, dtype, device, 1 << 30 if int4_head else 0, kernel, small=small)
 
     def _norm(self, x, weights):
         return F.layer_norm(x, x.shape[-1:], weights[0], weights[1], self.eps)

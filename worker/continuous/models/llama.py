@@ -17,7 +17,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, rotat
 
 from worker.continuous import attention
 from worker.continuous.attention import KVCache, StepLayout
-from worker.continuous.linear import Linear, fuse, quantize_q4_1
+from worker.continuous.linear import Linear, dense_float, fuse, quantize_q4_1
 
 
 class Llama:
@@ -31,7 +31,7 @@ class Llama:
         return None
 
     def __init__(self, config, tensors: dict, dtype, device, int4_rows: int = 0, int4_head: bool = False,
-                 kernel=None):
+                 kernel=None, small: str = "auto"):
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
@@ -44,7 +44,7 @@ class Llama:
             return tensors[name].to(device=device, dtype=dtype)
 
         def linear(names):
-            return Linear(fuse([tensors[n] for n in names]), None, dtype, device, int4_rows, kernel)
+            return Linear(fuse([tensors[n] for n in names]), None, dtype, device, int4_rows, kernel, small=small)
 
         self.embed = tensors["model.embed_tokens.weight"]
         self.embed = self.embed.dequantize() if hasattr(self.embed, "dequantize") else self.embed
@@ -64,8 +64,8 @@ class Llama:
         # its dense copy is the embedding table itself).
         tied = "lm_head.weight" not in tensors
         head = tensors["model.embed_tokens.weight"] if tied else tensors["lm_head.weight"]
-        head = quantize_q4_1(head.float()) if int4_head else head
-        self.head = Linear(head, None, dtype, device, 1 << 30 if int4_head else int4_rows, kernel,
+        head = quantize_q4_1(dense_float(head)) if int4_head else head
+        self.head = Linear(head, None, dtype, device, 1 << 30 if int4_head else int4_rows, kernel, small=small,
                            dense=self.embed if tied else None)
 
         rotary = LlamaRotaryEmbedding(config)
