@@ -33,9 +33,9 @@ def run(plan):
             req.status = Status.DECODING
 
 
-def scheduler(policy="fifo", blocks=100, budget=16, block_size=4, margin=0, prefill_chunk=0):
+def scheduler(policy="fifo", blocks=100, budget=16, block_size=4, margin=0, prefill_chunk=0, step_fill=0):
     return Scheduler(BlockManager(blocks, block_size, prefix_caching=False), budget, 64, policy, margin,
-                     prefill_chunk)
+                     prefill_chunk, step_fill)
 
 
 def test_fifo_runs_decodes_then_ongoing_prefills_then_new_requests():
@@ -162,3 +162,16 @@ def test_the_prompt_share_grows_with_the_decodes_it_rides_with():
     s.add(newcomer)
     plan = s.schedule()
     assert plan[-1] == (newcomer, PROMPT_TOKENS_PER_DECODE * 20)
+
+
+def test_beside_few_decodes_a_prompt_fills_the_step_to_step_fill():
+    """A step costs about the same up to ~64 tokens: 5 decodes leave a prompt 59 tokens, not 16;
+    30 decodes still leave it 34 (the fill), and 60 leave it one a decode."""
+    for decodes, share in ((5, 59), (30, 34), (60, 60)):
+        s = scheduler(blocks=800, budget=512, prefill_chunk=256, step_fill=64)
+        for p in [request(2) for _ in range(decodes)]:
+            s.add(p)
+        run(s.schedule())
+        newcomer = request(1000)
+        s.add(newcomer)
+        assert s.schedule()[-1] == (newcomer, share)

@@ -307,3 +307,23 @@ def test_config_equals_transformers_gguf_config(ours, transformers_model):
     ours_dict = {k: v for k, v in config.to_dict().items() if k not in ignored}
     expected_dict = {k: v for k, v in expected.to_dict().items() if k not in ignored}
     assert ours_dict == expected_dict
+
+
+def test_a_small_kernel_this_process_cannot_run_is_refused_with_the_reason(kernel):
+    from worker.__main__ import check
+    from worker.continuous.linear import check_small_kernel
+    from shared.settings import Settings
+    with pytest.raises(SystemExit, match="--small-kernel 'fast'"):
+        check(Settings(small_kernel="fast"))
+    with pytest.raises(ValueError, match="not built"):
+        check_small_kernel("int8", None)
+    with pytest.raises(ValueError, match="not built"):
+        check_small_kernel("bytes", None)
+    check_small_kernel("dense", None)
+    check_small_kernel("auto", None)
+    check_small_kernel("bytes", kernel)
+    if hasattr(kernel, "int8_linear"):
+        check_small_kernel("int8", kernel)
+    else:
+        with pytest.raises(ValueError, match="AVX-512 VNNI"):
+            check_small_kernel("int8", kernel)

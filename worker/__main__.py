@@ -23,7 +23,8 @@ from worker.static_engine import StaticEngine
 from worker.worker import Worker
 
 FLAGS = ["redis_url", "redis_cluster", "model", "model_name", "engine", "batch", "wait_ms", "dtype", "device",
-         "block_size", "kv_blocks", "kv_memory", "max_batch_tokens", "prefill_chunk", "scheduler", "prefix_caching",
+         "block_size", "kv_blocks", "kv_memory", "max_batch_tokens", "prefill_chunk", "step_fill", "scheduler",
+         "prefix_caching",
          "int4_rows", "small_kernel", "int4_head", "torch_threads", "cache_dir", "max_attempts", "metrics_port"]
 STATIC_DEFAULT_BATCH = 64
 # A cut link stalls TCP without an error (no RST): each Redis call gives up after this, so a worker
@@ -41,7 +42,7 @@ def check(settings: Settings) -> None:
         raise SystemExit(f"--scheduler {settings.scheduler!r}: expected one of {', '.join(POLICIES)}")
     if settings.small_kernel not in SMALL_KERNELS:
         raise SystemExit(f"--small-kernel {settings.small_kernel!r}: expected one of {', '.join(SMALL_KERNELS)}")
-    for name in ("batch", "kv_blocks", "int4_rows", "torch_threads"):
+    for name in ("batch", "kv_blocks", "int4_rows", "torch_threads", "step_fill"):
         if getattr(settings, name) < 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be 0 or more")
     for name in ("block_size", "kv_memory", "max_batch_tokens", "prefill_chunk"):

@@ -17,7 +17,7 @@ from worker.continuous.attention import KVCache
 from worker.continuous.block_manager import BlockManager
 from worker.continuous.model_runner import ModelRunner
 from worker.continuous.request import Request, Status
-from worker.continuous.scheduler import MIN_PROMPT_SHARE, PROMPT_TOKENS_PER_DECODE, Scheduler
+from worker.continuous.scheduler import Scheduler, prompt_share
 from worker.model_loader import LoadedModel
 from worker.sequence import Sequence
 from worker.static_engine import check_prompt
@@ -47,7 +47,7 @@ class ContinuousEngine:
         # Room kept free at admission so that running requests can grow: 1% of the pool, as vLLM does.
         margin = max(1, blocks // 100)
         self.scheduler = Scheduler(self.blocks, settings.max_batch_tokens, self.capacity,
-                                   settings.scheduler, margin, settings.prefill_chunk)
+                                   settings.scheduler, margin, settings.prefill_chunk, settings.step_fill)
         cache = KVCache(model.layers, model.kv_heads, model.head_dim, blocks, size, loaded.dtype,
                         loaded.device)
         self.runner = ModelRunner(model, cache, size, loaded.device, kernel)
@@ -108,7 +108,7 @@ class ContinuousEngine:
         if s.policy == "fifo":  # decodes go first, and leave prompts a share beside them
             budget -= decodes
             if decodes:
-                budget = min(budget, s.prefill_chunk, max(MIN_PROMPT_SHARE, PROMPT_TOKENS_PER_DECODE * decodes))
+                budget = min(budget, prompt_share(decodes, s.prefill_chunk, s.step_fill))
         return budget - prefills  # ongoing prompts go before new ones, under both policies
 
     def _learn_start_cost(self) -> None:

@@ -3,8 +3,10 @@
 Every step has a budget of `max_batch_tokens`. A decoding request costs one token; a prompt
 costs its length, so a long one is split into chunks across steps and the others keep decoding
 between them. While anyone is decoding, prompts get a share of the step that grows with the
-number of decodes (a prompt token per decode, at least 16, at most `prefill_chunk`; fifo): a
-step's time grows with its tokens, and measured here a 500-token chunk held every stream for
+number of decodes (a prompt token per decode, at least 16, and enough to fill the step to
+`step_fill` tokens, at most `prefill_chunk`; fifo): a step's time grows with its tokens past a
+point (below it, reading the weights costs the same whatever the rows), and measured here a
+500-token chunk held every stream for
 ~0.5 s; beside 16 streams, 64-token chunks of a 2,000-token prompt made their gaps 3.7x longer,
 32-token chunks 2.4x (the chunk's attention over its long context is most of that cost). New requests are admitted only when the cache has room for their prompt plus a
 margin, so that running requests can still grow. When it has not (the pool ran out while
@@ -26,14 +28,20 @@ PROMPT_TOKENS_PER_DECODE = 1
 MIN_PROMPT_SHARE = 16
 
 
+def prompt_share(decodes: int, prefill_chunk: int, step_fill: int) -> int:
+    """Prompt tokens a step computes beside `decodes` decoding requests (fifo)."""
+    return min(prefill_chunk, max(MIN_PROMPT_SHARE, PROMPT_TOKENS_PER_DECODE * decodes, step_fill - decodes))
+
+
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_batch_tokens: int, max_running: int,
-                 policy: str = "fifo", margin_blocks: int = 1, prefill_chunk: int = 0):
+                 policy: str = "fifo", margin_blocks: int = 1, prefill_chunk: int = 0, step_fill: int = 0):
         if policy not in POLICIES:
             raise ValueError(f"scheduler {policy!r}: expected one of {', '.join(POLICIES)}")
         self.blocks = blocks
         self.max_batch_tokens = max_batch_tokens
         self.prefill_chunk = prefill_chunk or max_batch_tokens  # prompt tokens per step beside decodes
+        self.step_fill = step_fill  # prompts fill a step with decodes up to this many tokens
         self.max_running = max_running
         self.policy = policy
         self.margin_blocks = margin_blocks
@@ -56,8 +64,7 @@ class Scheduler:
         if self.policy == "fifo":
             budget = self._decodes(plan, budget)
             if plan:  # others are decoding: prompts get a share that keeps their streams flowing
-                budget = min(budget, self.prefill_chunk,
-                             max(MIN_PROMPT_SHARE, PROMPT_TOKENS_PER_DECODE * len(plan)))
+                budget = min(budget, prompt_share(len(plan), self.prefill_chunk, self.step_fill))
             budget = self._prefills(plan, budget)
             self._admit(plan, budget)
         else:

@@ -28,8 +28,8 @@ namespace vnni {
 
 constexpr int64_t GROUP = 32;
 constexpr int64_t ROWS = 8;    // rows of x against each loaded chunk of weights (8 accumulators)
-constexpr int64_t TILE = 16;
-constexpr int64_t PREFETCH = 4;
+constexpr int64_t TILE = 16;      // output features a thread takes against every row before the next
+constexpr int64_t PREFETCH = 4;   // features ahead whose weights are asked for while one is done
 
 // A chunk is what one 64-byte load of weights holds: 4 groups of Q4_1 nibbles, 2 groups of Q8_0.
 // The activations of a row are laid out chunk by chunk to match, with each group's scale and
@@ -38,11 +38,12 @@ template <bool Nibbles>
 struct Layout {
   static constexpr int64_t groups = Nibbles ? 4 : 2;        // groups per chunk
   static constexpr int64_t lanes = 16 / groups;              // int32 lanes per group
-  static constexpr int64_t x_bytes = 128;                    // activation bytes per chunk (Q4_1: lows then highs)
+  static constexpr int64_t x_bytes = Nibbles ? 128 : 64;     // activation bytes per chunk (Q4_1: lows then highs)
   static constexpr int64_t w_bytes = Nibbles ? 16 : 32;      // weight bytes per group
 };
 
-// Rows of x, rounded to 8 bits in chunk layout: qx [chunks, rows, 128], dx and s [chunks, rows, 16].
+// Rows of x, rounded to 8 bits in chunk layout: qx [chunks, rows, x_bytes], dx and s [chunks, rows,
+// 16] (s is read for Q4_1 only).
 template <bool Nibbles>
 struct Activations {
   int64_t rows, chunks;
