@@ -78,9 +78,9 @@ class Settings:
     prefill_chunk: int = _setting(256, "most prompt tokens computed per step while others are "
                                        "decoding (fifo: 1 per decoding request, at least 16), so "
                                        "their streams keep flowing")
-    step_fill: int = _setting(64, "while others decode, prompts fill each step up to this many "
-                                  "tokens (below it a step costs about the same: reading the weights, "
-                                  "not arithmetic, bounds it); at most --prefill-chunk")
+    step_fill: int = _setting(64, "while others decode, prompts whose chunks read a short context "
+                                  "fill each step up to this many tokens (below it a step costs about "
+                                  "the same: reading the weights, not arithmetic, bounds it)")
     scheduler: str = _setting("fifo", "fifo (decodes, then ongoing prefills, then new requests) | "
                                       "prefill-first")
     prefix_caching: bool = _setting(True, "share the KV blocks of prompts that start alike")

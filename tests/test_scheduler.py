@@ -8,7 +8,7 @@ import pytest
 from shared.protocol import Job, SamplingParams
 from worker.continuous.block_manager import BlockManager
 from worker.continuous.request import Request, Status
-from worker.continuous.scheduler import MIN_PROMPT_SHARE, PROMPT_TOKENS_PER_DECODE, Scheduler
+from worker.continuous.scheduler import FILL_CONTEXT, MIN_PROMPT_SHARE, PROMPT_TOKENS_PER_DECODE, Scheduler
 from worker.sequence import Sequence
 
 
@@ -175,3 +175,20 @@ def test_beside_few_decodes_a_prompt_fills_the_step_to_step_fill():
         newcomer = request(1000)
         s.add(newcomer)
         assert s.schedule()[-1] == (newcomer, share)
+
+
+def test_a_prompt_deep_into_a_long_context_gets_the_plain_share_again():
+    """Past FILL_CONTEXT tokens a chunk's attention costs more than the step it would fill."""
+    s = scheduler(blocks=2000, budget=512, prefill_chunk=256, step_fill=64)
+    for p in [request(2) for _ in range(5)]:
+        s.add(p)
+    run(s.schedule())
+    long_prompt = request(FILL_CONTEXT + 400)
+    s.add(long_prompt)
+    shares = []
+    while long_prompt.status is not Status.DECODING:
+        plan = s.schedule()
+        shares.append(dict(plan).get(long_prompt, 0))
+        run(plan)
+    fills = FILL_CONTEXT // 59 + 1  # 59 tokens a step until FILL_CONTEXT is computed
+    assert shares[:fills] == [59] * fills and set(shares[fills:-1]) == {MIN_PROMPT_SHARE}

@@ -17,7 +17,7 @@ from worker.continuous.attention import KVCache
 from worker.continuous.block_manager import BlockManager
 from worker.continuous.model_runner import ModelRunner
 from worker.continuous.request import Request, Status
-from worker.continuous.scheduler import Scheduler, prompt_share
+from worker.continuous.scheduler import Scheduler
 from worker.model_loader import LoadedModel
 from worker.sequence import Sequence
 from worker.static_engine import check_prompt
@@ -108,7 +108,7 @@ class ContinuousEngine:
         if s.policy == "fifo":  # decodes go first, and leave prompts a share beside them
             budget -= decodes
             if decodes:
-                budget = min(budget, prompt_share(decodes, s.prefill_chunk, s.step_fill))
+                budget = min(budget, s.prompt_share(decodes))
         return budget - prefills  # ongoing prompts go before new ones, under both policies
 
     def _learn_start_cost(self) -> None:
