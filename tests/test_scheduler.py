@@ -8,7 +8,7 @@ import pytest
 from shared.protocol import Job, SamplingParams
 from worker.continuous.block_manager import BlockManager
 from worker.continuous.request import Request, Status
-from worker.continuous.scheduler import FILL_CONTEXT, MIN_PROMPT_SHARE, PROMPT_TOKENS_PER_DECODE, Scheduler
+from worker.continuous.scheduler import FILL_ATTENTION, MIN_PROMPT_SHARE, PROMPT_TOKENS_PER_DECODE, Scheduler
 from worker.sequence import Sequence
 
 
@@ -177,18 +177,20 @@ def test_beside_few_decodes_a_prompt_fills_the_step_to_step_fill():
         assert s.schedule()[-1] == (newcomer, share)
 
 
-def test_a_prompt_deep_into_a_long_context_gets_the_plain_share_again():
-    """Past FILL_CONTEXT tokens a chunk's attention costs more than the step it would fill."""
+def test_a_prompt_deep_into_a_long_context_fills_the_step_with_smaller_chunks():
+    """A chunk's attention grows with the context it reads: its fill shrinks as FILL_ATTENTION / context."""
     s = scheduler(blocks=2000, budget=512, prefill_chunk=256, step_fill=64)
-    for p in [request(2) for _ in range(5)]:
+    for p in [request(2, max_tokens=1000) for _ in range(5)]:  # decoding all along
         s.add(p)
     run(s.schedule())
-    long_prompt = request(FILL_CONTEXT + 400)
+    long_prompt = request(3000)
     s.add(long_prompt)
-    shares = []
+    seen = []
     while long_prompt.status is not Status.DECODING:
+        context = long_prompt.computed
         plan = s.schedule()
-        shares.append(dict(plan).get(long_prompt, 0))
+        seen.append((context, dict(plan).get(long_prompt, 0)))
         run(plan)
-    fills = FILL_CONTEXT // 59 + 1  # 59 tokens a step until FILL_CONTEXT is computed
-    assert shares[:fills] == [59] * fills and set(shares[fills:-1]) == {MIN_PROMPT_SHARE}
+    for context, share in seen[1:-1]:  # the first is its admission; the last what was left
+        assert share == max(MIN_PROMPT_SHARE, min(59, FILL_ATTENTION // max(context, 1))), (context, share)
+    assert seen[1][1] == 59 and seen[-2][1] == MIN_PROMPT_SHARE

@@ -28,10 +28,11 @@ PROMPT_TOKENS_PER_DECODE = 1
 MIN_PROMPT_SHARE = 16
 
 
-# A prompt fills the step (step_fill) only while the context its chunk reads is short: a chunk's
-# attention grows with it, and a 2,000-token prompt's late 48-token chunks (layer by layer, torch's
-# attention) made the streams beside it wait 2.7x their usual gap against 1.5x with 16-token chunks.
-FILL_CONTEXT = 256
+# A prompt fills the step (step_fill) with chunks of at most FILL_ATTENTION / (the context they
+# read) tokens: a chunk's attention grows with that context, and a 2,000-token prompt's late 48-token
+# chunks (layer by layer, torch's attention) made the streams beside it wait 2.7x their usual gap,
+# against 1.5x with 16-token chunks. 32,768: 64 tokens up to a context of 512, 16 at 2,048.
+FILL_ATTENTION = 32768
 
 
 class Scheduler:
@@ -87,8 +88,8 @@ class Scheduler:
 
     def prompt_share(self, decodes: int) -> int:
         """Prompt tokens a step computes beside `decodes` decoding requests (fifo)."""
-        deep = any(r.status is Status.PREFILLING and r.computed >= FILL_CONTEXT for r in self.running)
-        fill = 0 if deep else self.step_fill - decodes
+        context = max((r.computed for r in self.running if r.status is Status.PREFILLING), default=0)
+        fill = min(self.step_fill - decodes, FILL_ATTENTION // max(context, 1))
         return min(self.prefill_chunk, max(MIN_PROMPT_SHARE, PROMPT_TOKENS_PER_DECODE * decodes, fill))
 
     def _decodes(self, out: list, budget: int) -> int:
