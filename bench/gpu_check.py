@@ -103,7 +103,7 @@ def main(argv=None) -> None:
         raise SystemExit("no CUDA device here (torch.cuda.is_available() is False)")
     rng = random.Random(2)
     prompts = [make_prompt(rng) for _ in range(args.prompts)]
-    result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor(),
+    result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine(),
               "torch": torch.__version__, "text": []}
     for dtype in ("float32", "auto"):
         check = text_check(dtype, args.device, prompts, args.tokens)
