@@ -57,32 +57,30 @@ def text_check(dtype: str, device: str, prompts: list[str], tokens: int) -> dict
     return {"dtype": str(loaded.dtype), "alike_before_parting": parted, "tokens": tokens}
 
 
+def step_ms(engine, device: torch.device, steps: int) -> float:
+    """Median wall time of `steps` engine steps, the device's queue drained around each."""
+    times = []
+    for _ in range(steps):
+        sync(device)
+        start = time.perf_counter()
+        engine.step()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
 def speed(device: str, batches: list[int], steps: int) -> list[dict]:
     loaded = load("smollm2", device=device)
     rows = []
     for batch in batches:
-        engine = filled_engine(loaded, Settings(kv_memory=1024), batch, 64)
-        times = []
-        for _ in range(steps):
-            sync(loaded.device)
-            start = time.perf_counter()
-            engine.step()
-            sync(loaded.device)
-            times.append(time.perf_counter() - start)
+        ms = step_ms(filled_engine(loaded, Settings(kv_memory=1024), batch, 64), loaded.device, steps)
         static = StaticEngine(loaded, capacity=batch)
         prompt = loaded.tokenizer.encode("Write a short story about a dragon.\n")
         for i in range(batch):
             static.add(Job(id=f"s{i}", model="m", prompt_ids=prompt, timeout_s=3600,
                            params=SamplingParams(max_tokens=steps + 20, temperature=0, ignore_eos=True)))
         static.step()  # the prefill
-        static_times = []
-        for _ in range(steps):
-            sync(loaded.device)
-            start = time.perf_counter()
-            static.step()
-            sync(loaded.device)
-            static_times.append(time.perf_counter() - start)
-        ms, static_ms = statistics.median(times) * 1e3, statistics.median(static_times) * 1e3
+        static_ms = step_ms(static, loaded.device, steps)
         rows.append({"batch": batch, "continuous_ms": ms, "continuous_tokens_per_s": batch / ms * 1e3,
                      "static_ms": static_ms, "static_tokens_per_s": batch / static_ms * 1e3})
         print(f"  batch {batch:3d}: continuous {ms:7.2f} ms/step ({batch / ms * 1e3:7.0f} tok/s), "

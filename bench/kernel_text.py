@@ -16,7 +16,6 @@ import json
 import random
 import statistics
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from bench.prompts import make_prompt
@@ -59,21 +58,19 @@ def lone_step_ms(engine, prompt, steps: int = 40) -> float:
     return statistics.median(times) * 1000
 
 
-def parse_variant(text: str) -> tuple[str, str, dict[str, str]]:
-    """"name=KEY=VALUE,KEY=VALUE" -> (name, dtype, settings' fields)."""
+def parse_variant(text: str) -> tuple[str, Settings]:
+    """"name=KEY=VALUE,KEY=VALUE" (the worker's environment variables) -> (name, its settings)."""
     name, _, assignments = text.partition("=")
-    fields = dict(a.split("=", 1) for a in assignments.split(",") if a)
-    dtype = fields.pop("DTYPE", "auto")
-    return name, dtype, {k.lower(): v for k, v in fields.items()}
+    environ = dict(a.split("=", 1) for a in assignments.split(",") if a)
+    return name, Settings.from_env({"KV_MEMORY": "256", **environ})
 
 
-def build(loaded_by_dtype: dict, dtype: str, fields: dict):
-    if dtype not in loaded_by_dtype:
-        loaded_by_dtype[dtype] = load("smollm2", dtype=dtype, transformers_model=False, cache_dir=Settings.cache_dir)
-    loaded = loaded_by_dtype[dtype]
-    typed = {k: (v not in ("0", "false") if isinstance(getattr(Settings, k), bool) else type(getattr(Settings, k))(v))
-             for k, v in fields.items()}
-    return continuous.build(loaded, replace(Settings(kv_memory=256), **typed), loaded.weights(), loaded.config)
+def build(loaded_by_dtype: dict, settings: Settings):
+    if settings.dtype not in loaded_by_dtype:
+        loaded_by_dtype[settings.dtype] = load("smollm2", dtype=settings.dtype, transformers_model=False,
+                                               cache_dir=Settings.cache_dir)
+    loaded = loaded_by_dtype[settings.dtype]
+    return continuous.build(loaded, settings, loaded.weights(), loaded.config)
 
 
 def main(argv=None) -> None:
@@ -86,17 +83,17 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     loaded: dict = {}
     rng = random.Random(1)
-    name, dtype, fields = parse_variant(args.reference)
-    reference = build(loaded, dtype, fields)
-    tokenizer = loaded[dtype].tokenizer
+    name, settings = parse_variant(args.reference)
+    reference = build(loaded, settings)
+    tokenizer = loaded[settings.dtype].tokenizer
     prompts = [tokenizer.encode(make_prompt(rng)) for _ in range(args.prompts)]
     expected = write(reference, prompts, args.tokens)
     results = {name: {"lone_step_ms": lone_step_ms(reference, prompts[0])}}
     print(f"{args.prompts} greedy stories of {args.tokens} tokens against {name}:")
     for variant in args.variants:
-        label, dtype, fields = parse_variant(variant)
+        label, settings = parse_variant(variant)
         try:
-            engine = build(loaded, dtype, fields)
+            engine = build(loaded, settings)
         except ValueError as exc:  # a kernel this CPU lacks
             print(f"  {label}: skipped ({exc})")
             continue

@@ -24,6 +24,15 @@ def request(prompt_len: int, max_tokens: int = 50) -> Request:
     return Request(Sequence(job, NoTokenizer(), frozenset()))
 
 
+def decoding(s: Scheduler, count: int, max_tokens: int = 50) -> list[Request]:
+    """`count` players whose 2-token prompts are computed: decoding from the next step on."""
+    players = [request(2, max_tokens) for _ in range(count)]
+    for p in players:
+        s.add(p)
+    run(s.schedule())
+    return players
+
+
 def run(plan):
     """What the engine does after the model ran: count the computed tokens, give ends a token."""
     for req, count in plan:
@@ -154,10 +163,7 @@ def test_beside_decodes_a_prompt_gets_only_the_prefill_chunk():
 
 def test_the_prompt_share_grows_with_the_decodes_it_rides_with():
     s = scheduler(blocks=400, budget=512, prefill_chunk=256)
-    players = [request(2) for _ in range(20)]
-    for p in players:
-        s.add(p)
-    run(s.schedule())
+    decoding(s, 20)
     newcomer = request(1000)
     s.add(newcomer)
     plan = s.schedule()
@@ -169,9 +175,7 @@ def test_beside_few_decodes_a_prompt_fills_the_step_to_step_fill():
     30 decodes still leave it 34 (the fill), and 60 leave it one a decode."""
     for decodes, share in ((5, 59), (30, 34), (60, 60)):
         s = scheduler(blocks=800, budget=512, prefill_chunk=256, step_fill=64)
-        for p in [request(2) for _ in range(decodes)]:
-            s.add(p)
-        run(s.schedule())
+        decoding(s, decodes)
         newcomer = request(1000)
         s.add(newcomer)
         assert s.schedule()[-1] == (newcomer, share)
@@ -180,9 +184,7 @@ def test_beside_few_decodes_a_prompt_fills_the_step_to_step_fill():
 def test_a_prompt_deep_into_a_long_context_fills_the_step_with_smaller_chunks():
     """A chunk's attention grows with the context it reads: its fill shrinks as FILL_ATTENTION / context."""
     s = scheduler(blocks=2000, budget=512, prefill_chunk=256, step_fill=64)
-    for p in [request(2, max_tokens=1000) for _ in range(5)]:  # decoding all along
-        s.add(p)
-    run(s.schedule())
+    decoding(s, 5, max_tokens=1000)  # decoding all along
     long_prompt = request(3000)
     s.add(long_prompt)
     seen = []

@@ -94,6 +94,6 @@ class ModelRunner:
         """Each row's blocks, padded to the widest with its own first block (real data, masked off
         by length), and how many tokens each attends to."""
         width = -(-max(length for _, length in rows) // self.block_size)
-        tables = torch.tensor([blocks[:width] + blocks[:1] * (width - len(blocks[:width])) for blocks, _ in rows],
-                              device=self.device)
+        padded = [table + table[:1] * (width - len(table)) for table in (blocks[:width] for blocks, _ in rows)]
+        tables = torch.tensor(padded, device=self.device)
         return tables, torch.tensor([length for _, length in rows], device=self.device)

@@ -57,7 +57,7 @@ struct Activations {
     chunks = (G + L::groups - 1) / L::groups;
     qx.assign(rows * chunks * L::x_bytes, 0);
     dx.assign(rows * chunks * 16, 0.f);
-    s.assign(rows * chunks * 16, 0.f);
+    if (Nibbles) s.assign(rows * chunks * 16, 0.f);
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t g = 0; g < G; ++g) {
         float xg[GROUP], amax = 0.f, sum = 0.f;
@@ -76,11 +76,10 @@ struct Activations {
           else  // stored as qx + 128, read as unsigned
             q[in_chunk * GROUP + i] = static_cast<int8_t>(static_cast<uint8_t>(v + 128));
         }
-        float* dl = dx.data() + (c * rows + r) * 16 + in_chunk * L::lanes;
-        float* sl = s.data() + (c * rows + r) * 16 + in_chunk * L::lanes;
+        const int64_t lane = (c * rows + r) * 16 + in_chunk * L::lanes;
         for (int64_t j = 0; j < L::lanes; ++j) {
-          dl[j] = d;
-          sl[j] = sum / L::lanes;  // summed back over the group's lanes (exact: /4)
+          dx[lane + j] = d;
+          if (Nibbles) s[lane + j] = sum / L::lanes;  // summed back over the group's lanes (exact: /4)
         }
       }
     }
