@@ -68,6 +68,19 @@ class Paused:
         self.proc.send_signal(signal.SIGCONT)
 
 
+def _freeze_while_busy(proc, client, api) -> None:
+    """Stop the worker with SIGSTOP at a moment it holds jobs and more wait in the queue, so the signal
+    sent next finds it mid-batch (a tiny model finishes a batch in a blink: polling alone races it)."""
+    def frozen_busy() -> bool:
+        proc.send_signal(signal.SIGSTOP)
+        ids = _live_ids(client)
+        if ids and client.llen(keys.processing(MODEL, ids[0])) > 0 and client.llen(keys.queue(MODEL)) > 0:
+            return True
+        proc.send_signal(signal.SIGCONT)
+        return False
+    wait_until(frozen_busy, [proc, api], "the worker busy with a queue behind it")
+
+
 @pytest.mark.parametrize("api_processes", [1, 2])
 def test_a_crowd_beyond_the_cap_gets_429_at_once_and_nothing_accepted_is_lost(
         redis_alone, tiny_model_dirs, tmp_path, api_processes):
@@ -124,8 +137,9 @@ def test_a_rolling_restart_of_the_only_worker_answers_every_request(redis_alone,
                        extra_body={"ignore_eos": True})
         with ThreadPoolExecutor(16) as pool:
             futures = [pool.submit(client.completions.create, stream=i % 2 == 0, **request) for i in range(16)]
-            wait_until(lambda: redis_alone.client().llen(keys.queue(MODEL)) > 0, [old, api], "a queue")
+            _freeze_while_busy(old, redis_alone.client(), api)
             old.send_signal(signal.SIGTERM)  # as `docker compose up` does when it recreates a worker
+            old.send_signal(signal.SIGCONT)
             assert old.wait(30) == 0, logs(old)
             time.sleep(4)  # longer than a heartbeat's life: for a while no worker is alive at all
             status, body = get_json(f"http://127.0.0.1:{port}/health")
