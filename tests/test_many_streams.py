@@ -51,6 +51,7 @@ class SlowWorker:
         self.queue = _register_worker(self.redis)
         self.on_all_held = on_all_held
         self.error = None
+        self.held = 0  # jobs taken so far: it writes nothing until it holds all PLAYERS
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -60,6 +61,7 @@ class SlowWorker:
             jobs = []
             while len(jobs) < PLAYERS and not self.stopping.is_set():
                 jobs += self.queue.take(PLAYERS - len(jobs), wait_s=0, block_s=0.2)
+                self.held = len(jobs)
                 self._beat()
             if self.stopping.is_set():
                 return
@@ -174,7 +176,8 @@ def test_one_api_process_holds_2000_slow_streams_with_bounded_redis_connections(
         stop(api)
         server.stop()
     failed = [r for r in results if isinstance(r, BaseException)]
-    assert not failed, (f"{len(failed)} of {PLAYERS} failed, e.g. {failed[:3]!r}\n{logs(api)}")
+    assert not failed, (f"{len(failed)} of {PLAYERS} failed, e.g. {failed[:3]!r}; the stand-in worker took "
+                        f"{worker.held} of their jobs, {took:.0f} s\n{logs(api)}")
     assert worker.error is None, worker.error
     assert "held_at" in seen, "the stand-in worker never held every job at once"
     for chunk_id, text, finish in results:
