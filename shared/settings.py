@@ -81,6 +81,9 @@ class Settings:
     step_fill: int = _setting(64, "while others decode, prompts whose chunks read a short context "
                                   "fill each step up to this many tokens (below it a step costs about "
                                   "the same: reading the weights, not arithmetic, bounds it)")
+    max_stretch: float = _setting(2.0, "while others decode, prompt chunks may make a step take at "
+                                       "most this many times as long as the decodes alone would (timed "
+                                       "as it runs; 0: untimed, --step-fill alone)")
     scheduler: str = _setting("fifo", "fifo (decodes, then ongoing prefills, then new requests) | "
                                       "prefill-first")
     prefix_caching: bool = _setting(True, "share the KV blocks of prompts that start alike")

@@ -7,6 +7,7 @@ Also with a cache small enough to force preemption, and with shared prefixes (pr
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import replace
 
 import pytest
@@ -112,3 +113,28 @@ def test_a_cancelled_request_gives_its_blocks_back_at_the_next_step(loaded):
     assert engine.blocks.num_blocks - engine.blocks.free == still_held, "its blocks went back"
     stats = engine.stats()
     assert stats["running"] == 2 and 0 < stats["kv_usage"] < 1
+
+
+def test_steps_are_timed_for_the_pacer_and_slow_prompt_steps_shrink_the_prompts_share(loaded):
+    """Steps that carry prompt tokens beside decodes are made 200 ms slower than the decodes' own
+    (a few ms on a tiny model, tens on a busy machine): the pacer sees them stretch the streams' gap
+    and cuts the prompts' share."""
+    engine = make_engine(loaded, replace(SETTINGS, step_fill=20, max_stretch=2.0))
+    run = engine.runner.run
+
+    def slow_prompts(plan):
+        if any(n > 1 or r.computed == 0 for r, n in plan) and len(plan) > 1:
+            time.sleep(0.2)
+        return run(plan)
+    engine.runner.run = slow_prompts
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    for i in range(2):
+        engine.add(Job(id=f"s{i}", model="m", prompt_ids=[11 + i, 12, 13], params=params, timeout_s=600))
+    for _ in range(5):
+        engine.step()  # both decoding, alone: the streams' pace
+    pacer = engine.scheduler.pacer
+    assert pacer.allowed(2) == 20 and pacer.stretch(2, 1.0) is not None  # its pace is known
+    engine.add(Job(id="long", model="m", prompt_ids=list(range(20, 80)), params=params, timeout_s=600))
+    for _ in range(4):
+        engine.step()
+    assert pacer.allowed(2) <= 5  # the first slow step took 18 prompt tokens to ~10x the gap

@@ -23,9 +23,9 @@ from worker.static_engine import StaticEngine
 from worker.worker import Worker
 
 FLAGS = ["redis_url", "redis_cluster", "model", "model_name", "engine", "batch", "wait_ms", "dtype", "device",
-         "block_size", "kv_blocks", "kv_memory", "max_batch_tokens", "prefill_chunk", "step_fill", "scheduler",
-         "prefix_caching",
-         "int4_rows", "small_kernel", "int4_head", "torch_threads", "cache_dir", "max_attempts", "metrics_port"]
+         "block_size", "kv_blocks", "kv_memory", "max_batch_tokens", "prefill_chunk", "step_fill", "max_stretch",
+         "scheduler", "prefix_caching", "int4_rows", "small_kernel", "int4_head", "torch_threads", "cache_dir",
+         "max_attempts", "metrics_port"]
 STATIC_DEFAULT_BATCH = 64
 # A cut link stalls TCP without an error (no RST): each Redis call gives up after this, so a worker
 # behind one logs it, goes on trying, and reconnects once the link is back, instead of waiting on a
@@ -45,6 +45,8 @@ def check(settings: Settings) -> None:
     for name in ("batch", "kv_blocks", "int4_rows", "torch_threads", "step_fill"):
         if getattr(settings, name) < 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be 0 or more")
+    if settings.max_stretch and settings.max_stretch < 1:
+        raise SystemExit("--max-stretch must be 0 (untimed) or at least 1")
     for name in ("block_size", "kv_memory", "max_batch_tokens", "prefill_chunk"):
         if getattr(settings, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")

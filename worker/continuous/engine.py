@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 
 from shared.protocol import Job
 from shared.settings import Settings
@@ -16,6 +17,7 @@ from worker.continuous import kernels, linear, models
 from worker.continuous.attention import KVCache
 from worker.continuous.block_manager import BlockManager
 from worker.continuous.model_runner import ModelRunner
+from worker.continuous.pacer import Pacer
 from worker.continuous.request import Request, Status
 from worker.continuous.scheduler import Scheduler
 from worker.model_loader import LoadedModel
@@ -47,7 +49,8 @@ class ContinuousEngine:
         # Room kept free at admission so that running requests can grow: 1% of the pool, as vLLM does.
         margin = max(1, blocks // 100)
         self.scheduler = Scheduler(self.blocks, settings.max_batch_tokens, self.capacity,
-                                   settings.scheduler, margin, settings.prefill_chunk, settings.step_fill)
+                                   settings.scheduler, margin, settings.prefill_chunk, settings.step_fill,
+                                   Pacer(settings.max_stretch, settings.step_fill))
         cache = KVCache(model.layers, model.kv_heads, model.head_dim, blocks, size, loaded.dtype,
                         loaded.device)
         self.runner = ModelRunner(model, cache, size, loaded.device, kernel)
@@ -144,7 +147,10 @@ class ContinuousEngine:
         self.last_batch = len(plan)
         if not plan:
             return []
+        start = time.perf_counter()
         produced = self.runner.run(plan)
+        decodes = sum(1 for req, _ in plan if req.status is Status.DECODING)
+        self.scheduler.pacer.observe(decodes, sum(count for _, count in plan) - decodes, time.perf_counter() - start)
         self.generated += len(produced)
         for req, count in plan:
             req.computed += count

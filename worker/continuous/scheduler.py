@@ -4,7 +4,7 @@ Every step has a budget of `max_batch_tokens`. A decoding request costs one toke
 costs its length, so a long one is split into chunks across steps and the others keep decoding
 between them. While anyone is decoding, prompts get a share of the step that grows with the
 number of decodes (a prompt token per decode, at least 16, and enough to fill the step to
-`step_fill` tokens, at most `prefill_chunk`; fifo): a step's time grows with its tokens past a
+`step_fill` tokens as far as the pacer's timing allows, at most `prefill_chunk`; fifo): a step's time grows with its tokens past a
 point (below it, reading the weights costs the same whatever the rows), and measured here a
 500-token chunk held every stream for
 ~0.5 s; beside 16 streams, 64-token chunks of a 2,000-token prompt made their gaps 3.7x longer,
@@ -19,8 +19,10 @@ Two orders: `fifo` serves decodes first, then ongoing prefills, then new request
 from __future__ import annotations
 
 from collections import deque
+from typing import Optional
 
 from worker.continuous.block_manager import BlockManager
+from worker.continuous.pacer import Pacer
 from worker.continuous.request import Request, Status
 
 POLICIES = ("fifo", "prefill-first")
@@ -37,13 +39,15 @@ FILL_ATTENTION = 32768
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_batch_tokens: int, max_running: int,
-                 policy: str = "fifo", margin_blocks: int = 1, prefill_chunk: int = 0, step_fill: int = 0):
+                 policy: str = "fifo", margin_blocks: int = 1, prefill_chunk: int = 0, step_fill: int = 0,
+                 pacer: Optional[Pacer] = None):
         if policy not in POLICIES:
             raise ValueError(f"scheduler {policy!r}: expected one of {', '.join(POLICIES)}")
         self.blocks = blocks
         self.max_batch_tokens = max_batch_tokens
         self.prefill_chunk = prefill_chunk or max_batch_tokens  # prompt tokens per step beside decodes
         self.step_fill = step_fill  # prompts fill a step with decodes up to this many tokens
+        self.pacer = pacer  # and no further than the streams' gaps allow, as timed
         self.max_running = max_running
         self.policy = policy
         self.margin_blocks = margin_blocks
@@ -90,6 +94,8 @@ class Scheduler:
         """Prompt tokens a step computes beside `decodes` decoding requests (fifo)."""
         context = max((r.computed for r in self.running if r.status is Status.PREFILLING), default=0)
         fill = min(self.step_fill - decodes, FILL_ATTENTION // max(context, 1))
+        if self.pacer:
+            fill = min(fill, self.pacer.allowed(decodes))
         return min(self.prefill_chunk, max(MIN_PROMPT_SHARE, PROMPT_TOKENS_PER_DECODE * decodes, fill))
 
     def _decodes(self, out: list, budget: int) -> int:
