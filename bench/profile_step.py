@@ -61,6 +61,7 @@ def main(argv=None) -> None:
     parser.add_argument("--context", type=int, default=64, help="tokens each request holds when timed")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's choice)")
     parser.add_argument("--int4-rows", type=int, default=Settings.int4_rows)
+    parser.add_argument("--small-kernel", default=Settings.small_kernel)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--out", default="bench/results/profile")
     args = parser.parse_args(argv)
@@ -68,20 +69,21 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     loaded = load("smollm2", dtype=args.dtype, transformers_model=False,
                   cache_dir=Settings.cache_dir)
-    settings = Settings(int4_rows=args.int4_rows, kv_memory=512)
+    settings = Settings(int4_rows=args.int4_rows, small_kernel=args.small_kernel, kv_memory=512)
     results = []
     for batch in args.batches:
         r = profile_batch(loaded, settings, batch, args.steps, args.context)
         results.append(r)
         print(f"\nbatch {batch}: {r['step_ms']:.1f} ms per step, {r['tokens_per_s']:.0f} tokens/s "
-              f"({torch.get_num_threads()} threads, int4 up to {args.int4_rows} rows)")
+              f"({torch.get_num_threads()} threads, {args.small_kernel} kernel up to {args.int4_rows} rows)")
         print(f"  {'operator':<36} {'share':>6} {'ms/step':>8} {'calls':>6}")
         for op in r["ops"]:
             print(f"  {op['name']:<36} {op['share']:>6.1%} {op['ms_per_step']:>8.2f} {op['calls_per_step']:>6.0f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(
-        {"threads": torch.get_num_threads(), "int4_rows": args.int4_rows, "context": args.context,
+        {"threads": torch.get_num_threads(), "int4_rows": args.int4_rows, "small_kernel": args.small_kernel,
+         "context": args.context,
          "results": results}, indent=1))
     print(f"\nwrote {out.with_suffix('.json')}")
 

@@ -6,6 +6,7 @@ blocks, transformers' GGUF loader for names, row order and config, and x @ W.T f
 from __future__ import annotations
 
 import os
+import time
 
 import gguf
 import numpy as np
@@ -192,7 +193,7 @@ def _head_rows(head: Q80, count: int) -> Q80:
 
 
 def _rounded_per_group(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x as csrc/vnni.h rounds it, to 8 bits per group of 32: q = round(x * (127 / max|x|)) and
+    """x as csrc/int8.h rounds it, to 8 bits per group of 32: q = round(x * (127 / max|x|)) and
     scale max|x| / 127, in float32 as the kernel computes them; returned as q * scale in float64,
     with the step each value may also have taken: the scale where x * 127 / max|x| lies within
     1e-3 of half-way between two integers (common in bf16), which float32's last bit decides, else 0."""
@@ -210,13 +211,13 @@ def _rounded_per_group(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("rows", [1, 3, 8, 11])  # 11: more rows than the kernel does at once
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_kernel_is_the_files_weights_times_activations_rounded_per_group(ours, kernel, rows, dtype):
-    """The integer kernel (csrc/vnni.h) on the file's Q4_1 layers and Q8_0 head, and on shapes whose
+    """The integer kernel (csrc/int8.h) on the file's Q4_1 layers and Q8_0 head, and on shapes whose
     last chunk is partial, against a float64 product of the exactly dequantized weights with the
     activations rounded as the kernel rounds them (Q4_1's minimums meet the exact sums of x).
     Only float32 summation (and bf16's rounding of input and output) may differ; and the rounding
     of x keeps the result within half a step of each group's scale of the exact product."""
     if not hasattr(kernel, "int8_linear"):
-        pytest.skip("this CPU has no AVX-512 VNNI: the integer kernel is not built")
+        pytest.skip("this CPU has neither AVX-512 VNNI nor AVX2: the integer kernel is not built")
     _, tensors = ours
     layer = "model.layers.3."
     cases = [Q41.cat([tensors[layer + f"self_attn.{p}_proj.weight"] for p in "qkv"]),  # 18 groups: 4 chunks + 2
@@ -325,5 +326,21 @@ def test_a_small_kernel_this_process_cannot_run_is_refused_with_the_reason(kerne
     if hasattr(kernel, "int8_linear"):
         check_small_kernel("int8", kernel)
     else:
-        with pytest.raises(ValueError, match="AVX-512 VNNI"):
+        with pytest.raises(ValueError, match="AVX-512 VNNI nor AVX2"):
             check_small_kernel("int8", kernel)
+
+
+class _TimedKernel:
+    """A stand-in for the C++ module whose integer product takes `seconds` a layer and returns nothing."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def int8_linear(self, x, packed, nibbles):
+        time.sleep(self.seconds)
+
+
+def test_the_quantized_kernel_keeps_only_the_rows_where_it_beats_the_dense_product():
+    from worker.continuous.linear import CROSSOVER_ROWS, crossover_rows
+    assert crossover_rows(_TimedKernel(0.0), torch.float32, "int8") == CROSSOVER_ROWS[-1]  # always faster
+    assert crossover_rows(_TimedKernel(0.05), torch.float32, "int8") == 1  # never: one row all the same

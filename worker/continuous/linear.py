@@ -3,16 +3,17 @@
 At a few tokens per step a decode is bound by memory bandwidth, and the GGUF's own quantized
 blocks (Q4_1 layers, the Q8_0 head) stream far fewer bytes than a dense copy. At many tokens per
 step it is bound by arithmetic, and the dense product wins. The choice is made per call, by the
-number of rows: up to `small_rows` (--int4-rows) take the quantized path.
+number of rows: up to `small_rows` take the quantized path (--int4-rows, lowered at start to where
+the dense product gets faster on this CPU, timed).
 
 Three quantized kernels exist, and which is faster depends on the CPU, by a lot: torch's int4
 kernel (the Q4_1 blocks repacked without changing a value: scale = d, zero = m + 8 d) is fast with
 AVX-512 and was 60x slower than float32 on an AVX2-only CPU here; this engine's float kernel
 (csrc/quantized.h: the file's nibbles and bytes, AVX2) runs anywhere; its integer kernel
-(csrc/vnni.h: the activations rounded to 8 bits per group, as llama.cpp does, and the file's bytes
-multiplied in int8 with AVX-512 VNNI) is the fastest where the CPU has it, and the one that also
-runs the Q8_0 head. `small_kernel` times them once per process on layers of SmolLM2's shape and
-keeps the fastest, or none if none beats the dense product.
+(csrc/int8.h: the activations rounded to 8 bits per group, as llama.cpp does, and the file's bytes
+multiplied in int8, with AVX-512 VNNI or else AVX2) was the fastest on both kinds of CPU here.
+`small_kernel` times them once per process on layers of SmolLM2's shape and keeps the fastest, or
+none if none beats the dense product; `crossover_rows`, up to how many rows it keeps winning.
 
 On the CPU in bf16 the dense weight is stored pre-packed in oneDNN's blocked layout, the same
 kernel that torch.compile's freezing pass uses: measured 1.1-2x faster than F.linear on the same
@@ -59,7 +60,8 @@ class Linear:
             self.small = small_kernel(kernel, dtype) if small == "auto" else None if small == "dense" else small
         if self.small == "int4" and not isinstance(weight, Q41):
             self.small = None  # torch's int4 kernel takes 4-bit values only
-        self.small_rows = small_rows if self.small else 0
+        # Past some rows the dense product is faster: where, depends on the CPU (timed once).
+        self.small_rows = min(small_rows, crossover_rows(kernel, dtype, self.small)) if self.small else 0
         self.q4_1 = isinstance(weight, Q41)
         self.kernel = kernel
         self.packed = self.scales_zeros = None  # torch's int4 layout, or the file's bytes for "int8"
@@ -102,55 +104,94 @@ def check_small_kernel(name: str, kernel) -> None:
         raise ValueError(f"--small-kernel {name!r}: one of {', '.join(SMALL_KERNELS)}")
     needs = {"int8": "int8_linear", "bytes": "quantized_linear"}.get(name)
     if needs and not hasattr(kernel, needs):
-        why = "the C++ kernels were not built" if kernel is None else "this CPU has no AVX-512 VNNI"
+        why = "the C++ kernels were not built" if kernel is None else "this CPU has neither AVX-512 VNNI nor AVX2"
         raise ValueError(f"--small-kernel {name}: unavailable here ({why})")
     if name == "int4" and not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
         raise ValueError("--small-kernel int4: this torch has no int4 kernel for the CPU")
 
 
+# Rows at which the quantized kernel is timed against the dense product (crossover_rows).
+CROSSOVER_ROWS = (2, 4, 8, 16, 32, 64, 128, 256)
+
+
+@lru_cache(maxsize=None)
+def _timing_layers(dtype):
+    """16 layers of SmolLM2's MLP shape, ~56 MB dense in float32: more than a CPU's cache, so the
+    weights stream from memory as a real step's do (a single layer that stays in cache makes the
+    dense product look as fast as the quantized ones). Quantized, and dense as Linear runs them."""
+    gen = torch.Generator().manual_seed(0)
+    layers = [quantize_q4_1(torch.randn(1536, 576, generator=gen)) for _ in range(16)]
+    return layers, [Linear(w, None, dtype, torch.device("cpu")) for w in layers]  # as the model's dense path
+
+
+def _ways(kernel, dtype, names) -> dict:
+    """name -> a function of x that runs the 16 timing layers that way (None: dense)."""
+    layers, dense = _timing_layers(dtype)
+    ways = {None: lambda x: [layer(x) for layer in dense]}
+    if "int4" in names and hasattr(torch, "_weight_int4pack_mm_for_cpu"):
+        packed = [w.pack_int4(dtype) for w in layers]
+        ways["int4"] = lambda x: [torch._weight_int4pack_mm_for_cpu(x, p, GROUP, sz) for p, sz in packed]
+    if "bytes" in names and kernel is not None and hasattr(kernel, "quantized_linear"):
+        packed_q = [w.nibbles() for w in layers]
+        ways["bytes"] = lambda x: [kernel.quantized_linear(x, q, w.d, w.m) for q, w in zip(packed_q, layers)]
+    if "int8" in names and kernel is not None and hasattr(kernel, "int8_linear"):
+        packed_8 = [w.int8_packed() for w in layers]
+        ways["int8"] = lambda x: [kernel.int8_linear(x, p, True) for p in packed_8]
+    return ways
+
+
+def _fastest(ways: dict, x: torch.Tensor, repeats: int = 5, threads: int = 1) -> dict:
+    """Each way's least disturbed time on x, in seconds, on `threads` threads.
+
+    The quantized kernels are timed against each other on one thread: a multithreaded kernel
+    timed while other processes hold the cores waits for its slowest thread (once measured 120 ms
+    where it takes 1.6), and they scale alike with threads, being memory-bound."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        times = {}
+        for name, run in ways.items():
+            run(x)
+            samples = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                run(x)
+                samples.append(time.perf_counter() - start)
+            times[name] = min(samples)
+        return times
+    finally:
+        torch.set_num_threads(before)
+
+
 @lru_cache(maxsize=None)
 def small_kernel(kernel, dtype) -> Optional[str]:
     """"int4" (torch's), "bytes" or "int8" (ours) or None (dense is fastest): timed once on this
-    CPU, at one row.
-
-    Timed on 16 layers of SmolLM2's MLP shape in turn, ~56 MB dense in float32: more than a CPU's
-    cache, so the weights stream from memory as a real step's do (a single layer that stays in
-    cache makes the dense product look as fast as the quantized ones)."""
-    gen = torch.Generator().manual_seed(0)
-    layers = [quantize_q4_1(torch.randn(1536, 576, generator=gen)) for _ in range(16)]
-    x = torch.randn(1, 576, dtype=dtype)
-    dense = [w.dequantize().to(dtype) for w in layers]
-    ways = {None: lambda: [F.linear(x, w) for w in dense]}
-    if hasattr(torch, "_weight_int4pack_mm_for_cpu"):
-        packed = [w.pack_int4(dtype) for w in layers]
-        ways["int4"] = lambda: [torch._weight_int4pack_mm_for_cpu(x, p, GROUP, sz) for p, sz in packed]
-    if kernel is not None and hasattr(kernel, "quantized_linear"):
-        packed_q = [w.nibbles() for w in layers]
-        ways["bytes"] = lambda: [kernel.quantized_linear(x, q, w.d, w.m) for q, w in zip(packed_q, layers)]
-    if kernel is not None and hasattr(kernel, "int8_linear"):
-        packed_8 = [w.int8_packed() for w in layers]
-        ways["int8"] = lambda: [kernel.int8_linear(x, p, True) for p in packed_8]
-    times = {}
-    # On one thread: a multithreaded kernel timed while other processes hold the cores waits for
-    # its slowest thread (once measured 120 ms where it takes 1.6), and the kernels' choice should
-    # not depend on what else ran at that moment. Each scales alike with threads (memory-bound).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for name, run in ways.items():
-            run()
-            samples = []
-            for _ in range(5):
-                start = time.perf_counter()
-                run()
-                samples.append(time.perf_counter() - start)
-            times[name] = min(samples)  # the least disturbed run
-    finally:
-        torch.set_num_threads(threads)
+    CPU, at one row."""
+    times = _fastest(_ways(kernel, dtype, ("int4", "bytes", "int8")), torch.randn(1, 576, dtype=dtype))
     best = min(times, key=times.get)
     log.info("small steps' products: %s (16 layers at one row, one thread: %s)", best or "dense",
              ", ".join(f"{name or 'dense'} {t * 1e3:.1f} ms" for name, t in times.items()))
     return best
+
+
+@lru_cache(maxsize=None)
+def crossover_rows(kernel, dtype, name: str) -> int:
+    """The most rows a step may have for the quantized kernel `name` still to beat the dense product
+    here (timed once, at CROSSOVER_ROWS; at least 1). Where the dense product is fast (bf16 on
+    AMX) that is a few rows; where it is float32 on AVX2, the integer kernel won up to 128.
+    On the process's threads: there the dense product gained little from a second thread (64 rows:
+    35 ms on one, 33 on two) and the integer kernel twice (40, 23 ms)."""
+    ways = _ways(kernel, dtype, (name,))
+    rows, seen = 1, []
+    for n in CROSSOVER_ROWS:
+        times = _fastest(ways, torch.randn(n, 576, dtype=dtype), repeats=3, threads=torch.get_num_threads())
+        seen.append(f"{n}: {times[name] * 1e3:.1f} / {times[None] * 1e3:.1f} ms")
+        if times[name] >= times[None]:
+            break
+        rows = n
+    log.info("%s products up to %d rows a step (16 layers, %s against dense: %s)", name, rows, name,
+             ", ".join(seen))
+    return rows
 
 
 def fuse(parts: list) -> Union[torch.Tensor, Q41]:

@@ -73,7 +73,7 @@ class Q41:
         return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(rows, cols // 2).contiguous()
 
     def int8_packed(self) -> torch.Tensor:
-        """uint8 [N, K // 32 * 20]: the file's Q4_1 bytes in csrc/vnni.h's order, per chunk of 4
+        """uint8 [N, K // 32 * 20]: the file's Q4_1 bytes in csrc/int8.h's order, per chunk of 4
         groups: their 64 bytes of nibbles, then their 4 scales, then their 4 minimums (float16)."""
         return _chunked([self.nibbles(), _halves(self.d), _halves(self.m)], 4)
 
@@ -114,7 +114,7 @@ class Q80:
 
 
     def int8_packed(self) -> torch.Tensor:
-        """uint8 [N, K // 32 * 34]: the file's Q8_0 bytes in csrc/vnni.h's order, per chunk of 2
+        """uint8 [N, K // 32 * 34]: the file's Q8_0 bytes in csrc/int8.h's order, per chunk of 2
         groups: their 64 weights, then their 2 scales (float16)."""
         return _chunked([self.q.view(torch.uint8), _halves(self.d)], 2)
 

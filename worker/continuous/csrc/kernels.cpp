@@ -12,7 +12,7 @@
 #include "attention.h"
 #include "quantized.h"
 #include "sampling.h"
-#include "vnni.h"
+#include "int8.h"
 
 namespace storyteller {
 
@@ -38,7 +38,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 // A linear layer as worker/continuous/linear.py holds it: a dense weight (oneDNN-packed bf16, or
 // plain) and, for steps of up to `small_rows` rows, a quantized copy: torch's int4 layout
 // (small == 1: packed, scales_zeros), or the file's bytes (q, d, m) for the float kernel
-// (small == 2), or packed for the integer one (vnni.h: small == 3 Q4_1, 4 Q8_0).
+// (small == 2), or packed for the integer one (int8.h: small == 3 Q4_1, 4 Q8_0).
 struct Linear {
   torch::Tensor weight;
   bool onednn;
@@ -49,7 +49,7 @@ struct Linear {
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (small == 1 && x.size(0) <= small_rows) return at::_weight_int4pack_mm_for_cpu(x, *a, 32, *b);
     if (small == 2 && x.size(0) <= small_rows) return quantized_linear(x, *a, *b, c);
-#ifdef STORYTELLER_VNNI
+#ifdef STORYTELLER_INT8
     if (small >= 3 && x.size(0) <= small_rows) return int8_linear(x, *a, small == 3);
 #endif
     if (!onednn) return at::linear(x, weight);
@@ -204,8 +204,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     c10::optional<torch::Tensor>, int64_t>());
   m.def("quantized_linear", &quantized_linear, "x @ w.T for a Q4_1 (uint8) or Q8_0 (int8) weight (CPU)",
         py::call_guard<py::gil_scoped_release>());
-#ifdef STORYTELLER_VNNI
-  m.def("int8_linear", &int8_linear, "x @ w.T with x rounded to 8 bits per group of 32 (AVX-512 VNNI)",
+#ifdef STORYTELLER_INT8
+  m.def("int8_linear", &int8_linear, "x @ w.T with x rounded to 8 bits per group of 32 (AVX-512 VNNI or AVX2)",
         py::call_guard<py::gil_scoped_release>());
 #endif
   m.def("sample_rows", &sample_rows, "a token per row from softmax(logits / temperature), by inverse CDF",

@@ -1,14 +1,17 @@
-// Quantized products in integers, for CPUs with AVX-512 VNNI (Intel since Cascade Lake, AMD since
-// Zen 4): what llama.cpp does with the same blocks.
+// Quantized products in integers, as llama.cpp does with the same blocks: with AVX-512 VNNI
+// (Intel since Cascade Lake, AMD since Zen 4) or, slower, with AVX2 alone.
 //
 // quantized.h turns each group of weights into floats; here the step's activations are rounded to
 // 8 bits instead, per group of 32 with a scale of their own (dx = max|x| / 127), once per step, and
-// `vpdpbusd` multiplies 64 bytes of weights by 64 bytes of activations and sums them in fours into
-// int32 lanes in one instruction. A group's integer sum is then scaled by d * dx, in float:
+// the integer products of a group are summed into int32 lanes of four bytes each: `vpdpbusd` does
+// 64 bytes in one instruction; AVX2 multiplies bytes into pairs of int16 (`vpmaddubsw`) and sums
+// those into int32 (`vpmaddwd`). A group's integer sum is then scaled by d * dx, in float:
 //   y[r, n] = sum_g d[n, g] dx[r, g] (qw[n, g, :] . qx[r, g, :])  +  sum_g m[n, g] s[r, g]
 // Q4_1 (weights 0..15, unsigned): s[r, g] = sum of x's group (exact, in float).
-// Q8_0 (weights -128..127, signed; no m): vpdpbusd wants one unsigned side, so the activations
-// are stored as qx + 128, and each int32 lane starts at -128 times the sum of its four weights.
+// Q8_0 (weights -128..127, signed; no m): both instructions want one unsigned side, so the
+// activations are stored as qx + 128. VNNI starts each int32 lane at -128 times the sum of its four
+// weights; AVX2 takes qx back and moves the weights' signs onto it (|w| * sign(w) qx: no int16 pair
+// can overflow, as 255 * 128 * 2 would).
 // The rounding of x is the one difference from the float kernel: about 0.4% of each group's
 // largest activation, as in llama.cpp.
 #pragma once
@@ -17,17 +20,40 @@
 #include <ATen/Parallel.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define STORYTELLER_VNNI 1
+#define STORYTELLER_INT8 1
+#define STORYTELLER_INT8_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define STORYTELLER_INT8 1
+#endif
+
+#ifdef STORYTELLER_INT8
 #include <immintrin.h>
 
+#include <array>
 #include <cmath>
+#include <cstring>
+#include <utility>
 #include <vector>
 
 namespace storyteller {
-namespace vnni {
+namespace int8 {
 
 constexpr int64_t GROUP = 32;
-constexpr int64_t ROWS = 8;    // rows of x against each loaded chunk of weights (8 accumulators)
+#ifdef STORYTELLER_INT8_VNNI
+constexpr int64_t ROWS = 8;       // rows of x against each loaded chunk of weights: an accumulator each
+using Vec = __m512;               // 16 int32 lanes: a whole chunk
+static inline Vec vzero() { return _mm512_setzero_ps(); }
+static inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
+#else
+constexpr int64_t ROWS = 4;       // AVX2 has 16 registers: 4 accumulators and a chunk's weights
+using Vec = __m256;               // 8 int32 lanes: half a chunk
+static inline Vec vzero() { return _mm256_setzero_ps(); }
+static inline float vsum(Vec v) {
+  const __m128 quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
+  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+}
+#endif
 constexpr int64_t TILE = 16;      // output features a thread takes against every row before the next
 constexpr int64_t PREFETCH = 4;   // features ahead whose weights are asked for while one is done
 
@@ -96,6 +122,7 @@ static inline int64_t chunk_bytes(int64_t t) { return t * (Nibbles ? 16 + 4 : 32
 // One chunk of an output feature's weights (t groups at p) against `Rows` rows of activations
 // (chunk c of rows r0...), added to acc (the d terms) and extra (Q4_1's m terms). Full chunks
 // (t = groups) take plain loads; only a row's last chunk needs masks.
+#ifdef STORYTELLER_INT8_VNNI
 template <bool Nibbles, int Rows, bool Full>
 static inline void chunk(const Activations<Nibbles>& a, int64_t r0, int64_t c, const uint8_t* p, int64_t t,
                          __m512* acc, __m512* extra) {
@@ -137,6 +164,65 @@ static inline void chunk(const Activations<Nibbles>& a, int64_t r0, int64_t c, c
     }
   }
 }
+#else
+// The same with AVX2, a half chunk (32 bytes: 8 int32 lanes) at a time. Q4_1's m terms go straight
+// into acc (extra stays zero: no registers to spare). A row's last chunk is copied, zero-padded, to
+// a whole one first: AVX2 has no masked byte loads, and reading past it could leave the weights.
+template <bool Nibbles, int Rows, bool Full>
+static inline void chunk(const Activations<Nibbles>& a, int64_t r0, int64_t c, const uint8_t* p, int64_t t,
+                         __m256* acc, __m256*) {
+  using L = Layout<Nibbles>;
+  alignas(32) uint8_t whole[64 + 16];
+  if (!Full) {
+    std::memset(whole, 0, sizeof(whole));
+    std::memcpy(whole, p, t * L::w_bytes);                                  // the bytes (or nibbles)
+    std::memcpy(whole + 64, p + t * L::w_bytes, 2 * t);                     // t scales
+    if (Nibbles) std::memcpy(whole + 64 + 2 * L::groups, p + t * L::w_bytes + 2 * t, 2 * t);  // t minimums
+    p = whole;
+  }
+  // A whole chunk's scales (and Q4_1's minimums after them), float16 -> float32
+  int32_t two_scales;  // Q8_0's chunk has two groups
+  std::memcpy(&two_scales, p + 64, sizeof(two_scales));
+  const __m256 dm = Nibbles ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 64)))
+                            : _mm256_cvtph_ps(_mm_cvtsi32_si128(two_scales));
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t at = c * a.rows + r0;  // the activations are laid out chunk-major
+  const float* dx = a.dx.data() + at * 16;
+  const int8_t* q = a.qx.data() + at * L::x_bytes;
+  for (int h = 0; h < 2; ++h) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
+    if (Nibbles) {  // groups 2h (lanes 0-3) and 2h + 1 (lanes 4-7)
+      const __m256i pick = _mm256_setr_epi32(2 * h, 2 * h, 2 * h, 2 * h, 2 * h + 1, 2 * h + 1, 2 * h + 1, 2 * h + 1);
+      const __m256 dw = _mm256_permutevar8x32_ps(dm, pick);
+      const __m256 mw = _mm256_permutevar8x32_ps(dm, _mm256_add_epi32(pick, _mm256_set1_epi32(4)));
+      const __m256i low_mask = _mm256_set1_epi8(0x0F);
+      const __m256i lo = _mm256_and_si256(raw, low_mask);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low_mask);
+      const float* s = a.s.data() + at * 16 + 8 * h;
+      for (int r = 0; r < Rows; ++r) {
+        const int8_t* x = q + r * L::x_bytes + 32 * h;  // lows, then highs 64 bytes on
+        const __m256i pairs = _mm256_add_epi16(  // at most 2 * 2 * 15 * 127: no overflow
+            _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
+            _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 64))));
+        const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+        acc[r] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dw, _mm256_loadu_ps(dx + r * 16 + 8 * h)), acc[r]);
+        acc[r] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(s + r * 16), acc[r]);
+      }
+    } else {  // group h, all 8 lanes
+      const __m256 dw = _mm256_permutevar8x32_ps(dm, _mm256_set1_epi32(h));
+      const __m256i magnitude = _mm256_sign_epi8(raw, raw);  // |w| as unsigned: -128 -> 128
+      const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+      for (int r = 0; r < Rows; ++r) {
+        const __m256i x = _mm256_xor_si256(  // qx + 128 -> qx
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * L::x_bytes + 32 * h)), flip);
+        const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x, raw));
+        const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+        acc[r] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dw, _mm256_loadu_ps(dx + r * 16 + 8 * h)), acc[r]);
+      }
+    }
+  }
+}
+#endif
 
 // y[r0..r0 + Rows, n0..n1); w: [N, G groups] in the layout above. Rows is a template argument so
 // that the loops over rows unroll and the accumulators stay in registers.
@@ -150,13 +236,20 @@ static void rows_block(const Activations<Nibbles>& a, int64_t r0, const uint8_t*
     // The weights are read once, in order: ask for the features PREFETCH ahead while this one is done.
     if (n + PREFETCH < N)
       for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH * row_bytes + off), _MM_HINT_T0);
-    __m512 acc[Rows], extra[Rows];
-    for (int r = 0; r < Rows; ++r) acc[r] = extra[r] = _mm512_setzero_ps();
+    Vec acc[Rows], extra[Rows];
+    for (int r = 0; r < Rows; ++r) acc[r] = extra[r] = vzero();
     for (int64_t c = 0; c < full; ++c, p += chunk_bytes<Nibbles>(L::groups))
       chunk<Nibbles, Rows, true>(a, r0, c, p, L::groups, acc, extra);
     if (tail) chunk<Nibbles, Rows, false>(a, r0, full, p, tail, acc, extra);
-    for (int r = 0; r < Rows; ++r) y[(r0 + r) * N + n] = static_cast<T>(_mm512_reduce_add_ps(_mm512_add_ps(acc[r], extra[r])));
+    for (int r = 0; r < Rows; ++r) y[(r0 + r) * N + n] = static_cast<T>(vsum(acc[r]) + vsum(extra[r]));
   }
+}
+
+// rows_block for 1..ROWS rows, indexed by rows - 1.
+template <bool Nibbles, typename T, size_t... R>
+static constexpr auto row_blocks(std::index_sequence<R...>) {
+  return std::array<void (*)(const Activations<Nibbles>&, int64_t, const uint8_t*, int64_t, T*, int64_t, int64_t,
+                             int64_t), sizeof...(R)>{rows_block<Nibbles, static_cast<int>(R) + 1, T>...};
 }
 
 template <bool Nibbles, typename T>
@@ -169,30 +262,27 @@ static void linear(const T* x, int64_t rows, int64_t K, const uint8_t* w, T* y, 
     for (int64_t n0 = begin; n0 < end; n0 += TILE) {
       const int64_t n1 = std::min(end, n0 + TILE);
       for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
-        static constexpr void (*by_rows[ROWS])(const Activations<Nibbles>&, int64_t, const uint8_t*, int64_t,
-                                                T*, int64_t, int64_t, int64_t) = {
-            rows_block<Nibbles, 1, T>, rows_block<Nibbles, 2, T>, rows_block<Nibbles, 3, T>, rows_block<Nibbles, 4, T>,
-            rows_block<Nibbles, 5, T>, rows_block<Nibbles, 6, T>, rows_block<Nibbles, 7, T>, rows_block<Nibbles, 8, T>};
+        static constexpr auto by_rows = row_blocks<Nibbles, T>(std::make_index_sequence<ROWS>());
         by_rows[std::min(ROWS, rows - r0) - 1](a, r0, w, G, y, N, n0, n1);
       }
     }
   });
 }
 
-}  // namespace vnni
+}  // namespace int8
 
 // x: [rows, K] float32 or bfloat16; w: [N, bytes] uint8, a Q4_1 (nibbles) or Q8_0 matrix in the
 // layout above (worker/continuous/weights.py packs it). Returns [rows, N] in x's type.
 static torch::Tensor int8_linear(const torch::Tensor& x_in, const torch::Tensor& w, bool nibbles) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() &&
-              x_in.size(-1) % vnni::GROUP == 0 &&
-              w.size(1) == x_in.size(-1) / vnni::GROUP * (nibbles ? vnni::chunk_bytes<true>(1) : vnni::chunk_bytes<false>(1)),
+              x_in.size(-1) % int8::GROUP == 0 &&
+              w.size(1) == x_in.size(-1) / int8::GROUP * (nibbles ? int8::chunk_bytes<true>(1) : int8::chunk_bytes<false>(1)),
               "int8_linear: x [rows, K]; w [N, K / 32 * (20 for Q4_1, 34 for Q8_0)] uint8");
   const torch::Tensor x = x_in.scalar_type() == torch::kBFloat16 ? x_in.contiguous() : x_in.to(torch::kFloat32).contiguous();
   const int64_t rows = x.size(0), K = x.size(1), N = w.size(0);
   auto y = torch::empty({rows, N}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, x.scalar_type(), "int8_linear", [&] {
-    const auto run = nibbles ? vnni::linear<true, scalar_t> : vnni::linear<false, scalar_t>;
+    const auto run = nibbles ? int8::linear<true, scalar_t> : int8::linear<false, scalar_t>;
     run(x.data_ptr<scalar_t>(), rows, K, w.data_ptr<uint8_t>(), y.data_ptr<scalar_t>(), N);
   });
   return y.to(x_in.scalar_type());
