@@ -83,8 +83,7 @@ def main(argv=None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(
         {"threads": torch.get_num_threads(), "int4_rows": args.int4_rows, "small_kernel": args.small_kernel,
-         "context": args.context,
-         "results": results}, indent=1))
+         "context": args.context, "results": results}, indent=1))
     print(f"\nwrote {out.with_suffix('.json')}")
 
 

@@ -341,6 +341,6 @@ class _TimedKernel:
 
 
 def test_the_quantized_kernel_keeps_only_the_rows_where_it_beats_the_dense_product():
-    from worker.continuous.linear import CROSSOVER_ROWS, crossover_rows
-    assert crossover_rows(_TimedKernel(0.0), torch.float32, "int8") == CROSSOVER_ROWS[-1]  # always faster
-    assert crossover_rows(_TimedKernel(0.05), torch.float32, "int8") == 1  # never: one row all the same
+    from worker.continuous.linear import CROSSOVER_ROWS, small_kernel
+    assert small_kernel(_TimedKernel(0.0), torch.float32, "int8") == ("int8", CROSSOVER_ROWS[-1])  # always faster
+    assert small_kernel(_TimedKernel(0.05), torch.float32, "int8") == ("int8", 1)  # never: one row all the same

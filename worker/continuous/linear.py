@@ -13,7 +13,7 @@ AVX-512 and was 60x slower than float32 on an AVX2-only CPU here; this engine's 
 (csrc/int8.h: the activations rounded to 8 bits per group, as llama.cpp does, and the file's bytes
 multiplied in int8, with AVX-512 VNNI or else AVX2) was the fastest on both kinds of CPU here.
 `small_kernel` times them once per process on layers of SmolLM2's shape and keeps the fastest, or
-none if none beats the dense product; `crossover_rows`, up to how many rows it keeps winning.
+none if none beats the dense product, and up to how many rows it keeps winning.
 
 On the CPU in bf16 the dense weight is stored pre-packed in oneDNN's blocked layout, the same
 kernel that torch.compile's freezing pass uses: measured 1.1-2x faster than F.linear on the same
@@ -55,13 +55,13 @@ class Linear:
                 self.weight = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_ROWS_HINT)
             except RuntimeError:  # oneDNN's bf16 packing needs AVX-512 (or AVX-NE-CONVERT)
                 self.onednn = False
-        self.small = None
-        if quantized and small_rows and device.type == "cpu":
-            self.small = small_kernel(kernel, dtype) if small == "auto" else None if small == "dense" else small
+        self.small, most = None, 0
+        if quantized and small_rows and device.type == "cpu" and small != "dense":
+            # Past some rows the dense product is faster: where, depends on the CPU (timed once).
+            self.small, most = small_kernel(kernel, dtype, small)
         if self.small == "int4" and not isinstance(weight, Q41):
             self.small = None  # torch's int4 kernel takes 4-bit values only
-        # Past some rows the dense product is faster: where, depends on the CPU (timed once).
-        self.small_rows = min(small_rows, crossover_rows(kernel, dtype, self.small)) if self.small else 0
+        self.small_rows = min(small_rows, most) if self.small else 0
         self.q4_1 = isinstance(weight, Q41)
         self.kernel = kernel
         self.packed = self.scales_zeros = None  # torch's int4 layout, or the file's bytes for "int8"
@@ -110,11 +110,10 @@ def check_small_kernel(name: str, kernel) -> None:
         raise ValueError("--small-kernel int4: this torch has no int4 kernel for the CPU")
 
 
-# Rows at which the quantized kernel is timed against the dense product (crossover_rows).
+# Rows at which the quantized kernel is timed against the dense product.
 CROSSOVER_ROWS = (2, 4, 8, 16, 32, 64, 128, 256)
 
 
-@lru_cache(maxsize=None)
 def _timing_layers(dtype):
     """16 layers of SmolLM2's MLP shape, ~56 MB dense in float32: more than a CPU's cache, so the
     weights stream from memory as a real step's do (a single layer that stays in cache makes the
@@ -164,24 +163,28 @@ def _fastest(ways: dict, x: torch.Tensor, repeats: int = 5, threads: int = 1) ->
 
 
 @lru_cache(maxsize=None)
-def small_kernel(kernel, dtype) -> Optional[str]:
-    """"int4" (torch's), "bytes" or "int8" (ours) or None (dense is fastest): timed once on this
-    CPU, at one row."""
-    times = _fastest(_ways(kernel, dtype, ("int4", "bytes", "int8")), torch.randn(1, 576, dtype=dtype))
-    best = min(times, key=times.get)
-    log.info("small steps' products: %s (16 layers at one row, one thread: %s)", best or "dense",
-             ", ".join(f"{name or 'dense'} {t * 1e3:.1f} ms" for name, t in times.items()))
-    return best
+def small_kernel(kernel, dtype, choice: str = "auto") -> tuple[Optional[str], int]:
+    """The quantized kernel of small steps and the most rows a step may have for it, timed once per
+    process (the timing layers are let go after): `choice`, or for "auto" the fastest at one row:
+    "int4" (torch's), "bytes" or "int8" (ours), or None (dense is fastest, and no rows)."""
+    ways = _ways(kernel, dtype, ("int4", "bytes", "int8") if choice == "auto" else (choice,))
+    name = choice
+    if choice == "auto":
+        times = _fastest(ways, torch.randn(1, 576, dtype=dtype))
+        name = min(times, key=times.get)
+        log.info("small steps' products: %s (16 layers at one row, one thread: %s)", name or "dense",
+                 ", ".join(f"{way or 'dense'} {t * 1e3:.1f} ms" for way, t in times.items()))
+        if name is None:
+            return None, 0
+    return name, _crossover_rows({None: ways[None], name: ways[name]}, name, dtype)
 
 
-@lru_cache(maxsize=None)
-def crossover_rows(kernel, dtype, name: str) -> int:
+def _crossover_rows(ways: dict, name: str, dtype) -> int:
     """The most rows a step may have for the quantized kernel `name` still to beat the dense product
-    here (timed once, at CROSSOVER_ROWS; at least 1). Where the dense product is fast (bf16 on
-    AMX) that is a few rows; where it is float32 on AVX2, the integer kernel won up to 128.
+    here (timed at CROSSOVER_ROWS; at least 1). Where the dense product is fast (bf16 on AMX) that
+    is a few rows; where it is float32 on AVX2, the integer kernel won up to 128.
     On the process's threads: there the dense product gained little from a second thread (64 rows:
     35 ms on one, 33 on two) and the integer kernel twice (40, 23 ms)."""
-    ways = _ways(kernel, dtype, (name,))
     rows, seen = 1, []
     for n in CROSSOVER_ROWS:
         times = _fastest(ways, torch.randn(n, 576, dtype=dtype), repeats=3, threads=torch.get_num_threads())

@@ -39,9 +39,9 @@ class Pacer:
         if not prompt_tokens:
             self._alone[key] = seconds if alone is None else (1 - SMOOTHING) * alone + SMOOTHING * seconds
             return
-        stretch = self.stretch(decodes, seconds)
-        if stretch is None:
+        if alone is None:
             return  # the streams' own pace is not known yet at this many decodes
+        stretch = seconds / alone
         # t = alone * (1 + k * tokens): the tokens that would have taken max_stretch * alone
         target = prompt_tokens * (self.max_stretch - 1) / max(stretch - 1, 1e-3)
         allowed = self.allowed(decodes)
