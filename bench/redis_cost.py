@@ -389,9 +389,10 @@ def benchmark_cases(url: str) -> list[tuple[str, list[str]]]:
     JobQueue(recorder, ME_WORKER, "nobody")._take_now(1, alone_ok=True)
     take_empty = recorder.sent
     ids = [job.id for job in p["jobs"]]
-    worker._run_publish([ids[0], p["delta"], "", ""])
+    # Each delta with its token's record (at the 31st token of a 4-digit-id record).
+    worker._run_publish([ids[0], p["delta"], "", "", 150, "1234,"])
     publish1 = recorder.sent
-    worker._run_publish([x for i in ids for x in (i, p["delta"], "", "")])
+    worker._run_publish([x for i in ids for x in (i, p["delta"], "", "", 150, "1234,")])
     publish16 = recorder.sent
     recorder.set(keys.answer(MODEL, ids[0]), p["final"])
     return [

@@ -7,9 +7,10 @@ A request's life in Redis (m: the model's hash tag, below):
                                               a dead worker's jobs stay visible
          SET    lease(m, job_id) worker_id    in the same script: who may answer the job
   worker PUBLISH channel(m, job_id)           text as it is written, then the final answer
+         SETRANGE written(m, job_id)          the token ids written so far, with the text they made
   worker SET    answer(m, job_id) EX ...      the final answer again, for a subscriber that missed it
-  worker LREM   processing(m, worker_id)      the job is done
-                                              (these three in one Lua script, only while the lease
+  worker LREM   processing(m, worker_id)      the job is done, its record deleted
+                                              (these in one Lua script, only while the lease
                                               still names this worker)
   api    SET    cancel(m, job_id)             the client went away: stop decoding it
 
@@ -17,7 +18,7 @@ Hash tags (Redis Cluster). A Lua script, a MULTI and a blocking move may only to
 slot in a cluster, and the slot of a key is that of its {hash tag}, the part between its first { and
 the next }. So everything about one model carries the model's tag, storyteller:{MODEL}:...: its
 queues, wake list, drain counters, tokenizer, its workers' processing lists, heartbeats and
-registry, and every per-job key (lease, attempts, answer, cancel, and the result channel, which
+registry, and every per-job key (lease, attempts, written, answer, cancel, and the result channel, which
 sharded pub/sub places by slot too). A job belongs to one model and a worker serves one model, so
 whoever names such a key has the model at hand, and each of the worker's scripts (worker/job_queue.py)
 and the API's admission script (api/admission.py) stays within one slot, deriving the per-job names
@@ -109,6 +110,14 @@ def lease(model: str, job_id: str) -> str:
     dead loses it when its jobs are put back, so one whose link to Redis comes back publishes nothing
     for them (worker/job_queue.py's scripts check it)."""
     return f"{model_prefix(model)}lease:{job_id}"
+
+
+def written(model: str, job_id: str) -> str:
+    """The ids of the tokens the job's worker has written so far, as "id,id,...,": a string that
+    only grows (SETRANGE at its end), so each step's record costs its new tokens, not the whole
+    list. A worker that takes the job back after its worker died continues from them instead of
+    writing the job again (worker/job_queue.py). Kept by a requeue, deleted with the job's answer."""
+    return f"{model_prefix(model)}written:{job_id}"
 
 
 def processing(model: str, worker_id: str) -> str:

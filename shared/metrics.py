@@ -35,4 +35,6 @@ PREEMPTIONS = f"{PREFIX}_preemptions_total"
 PREFIX_CACHE_HITS = f"{PREFIX}_prefix_cache_hits_total"  # prompt blocks found in the cache
 GENERATED_TOKENS = f"{PREFIX}_generated_tokens_total"  # tokens the engine wrote (tokens/s)
 REQUEUED_JOBS = f"{PREFIX}_requeued_jobs_total"        # jobs of dead workers put back
+# Tokens a requeued job's new worker took from its record (keys.written) instead of decoding again.
+RESUMED_TOKENS = f"{PREFIX}_resumed_tokens_total"
 CRASHED_JOBS = f"{PREFIX}_crashed_jobs_total"          # jobs failed after --max-attempts

@@ -65,7 +65,9 @@ class TextDelta:
     """Text written since the last message (may be several tokens' worth).
 
     `offset` is where it starts in the job's whole text: a job put back after its worker died
-    is written again from the start, and the API must not send that text twice.
+    resumes from its record of written tokens, and its new worker's first delta starts at 0 with
+    the text rebuilt from them (or, without a record, the job is written again from the start):
+    the API must not send that text twice.
     """
     text: str
     offset: int

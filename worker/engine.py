@@ -7,7 +7,7 @@ finished (`Sequence.cancel`); the engine drops it at the next step.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Optional, Protocol
 
 from shared.protocol import Job
 from worker.sequence import Sequence
@@ -26,7 +26,11 @@ class Engine(Protocol):
         in Redis for other workers (docs/serving.md, Sharing work between workers)."""
         ...
 
-    def add(self, job: Job) -> Sequence: ...
+    def add(self, job: Job, written: Optional[list[int]] = None) -> Sequence:
+        """Hold the job. `written`: the tokens an earlier attempt wrote (its record in Redis, from the
+        queue): the sequence resumes after them, and they are computed as prompt. A sequence the
+        record alone completes is returned finished, not held: the loop publishes it at once."""
+        ...
 
     def step(self) -> list[Sequence]:
         """Decode one token for every running sequence; return those that changed."""

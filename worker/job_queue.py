@@ -12,6 +12,11 @@ Every key a script here touches carries the model's hash tag (shared/keys.py), t
 builds inside too (from prefixes that carry it), so each script runs on one slot, as Redis Cluster
 requires; there, results go by SPUBLISH on that slot's primary instead of PUBLISH (see api/broker.py).
 
+A job's written token ids are recorded beside it (keys.written): for a stream in the same script
+that publishes its text, so the text a client has is never ahead of the record; for a whole job
+every RECORD_INTERVAL_S. A worker that takes the job back after its worker died gets the record in
+the same take, and continues from it (worker/sequence.py) instead of writing the job again.
+
 A take can run in Redis without its reply reaching the worker (a timeout, a cut link): its jobs
 then sit in the worker's processing list under its lease, unknown to it. The worker looks there
 about once a heartbeat (`adopt_stranded`) and runs them, or puts them back for another worker.
@@ -20,9 +25,10 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from collections import Counter
-from typing import Iterable, NamedTuple
+from typing import Iterable, NamedTuple, Optional
 
 import redis
 
@@ -41,7 +47,15 @@ DRAINED_TTL_S = 120  # the per-second counts of jobs taken, which the API reads 
 ATTEMPTS_TTL_S = 24 * 3600
 # Longer than any job lives (a request waits --request-timeout, 300 s by default), so a lease never
 # expires under a worker that is still writing; finished or put back, the job's lease is deleted.
+# A job's record of written tokens lives as long, for the same reason: its answer deletes it.
 LEASE_TTL_S = 24 * 3600
+# How often a whole (not streamed) job's new tokens are recorded. A stream's are, every step, in the
+# publish that sends its text; a whole job publishes nothing until its answer, so recording it every
+# step would add a script call (and its tokens' bytes) per step that no client is waiting for. Once a
+# second, for all such jobs in one call, bounds what a worker's death costs them (a second's decoding
+# each, written again) at a round trip per second (docs/scaling.md).
+RECORD_INTERVAL_S = 1.0
+_RECORD = re.compile(rb"(?:\d+,)*")  # keys.written: "id,id,...,"
 # The finish reason of a sequence whose job another worker now holds: never published again.
 LOST = "lost"
 
@@ -50,19 +64,24 @@ LOST = "lost"
 # it) is taken only alone (ARGV[2] = 1: this worker holds nothing) and then nothing with it, so
 # that if it kills this worker too, it alone is to blame; otherwise taking stops before it, so
 # priority order holds.
-# Each job taken gets a lease naming this worker (ARGV[8]). A worker takes only what it will start
+# Each job taken gets a lease naming this worker (ARGV[8]), and comes with its record of written
+# tokens (ARGV[10] the prefix; '' none), should an earlier worker have died writing it.
+# A worker takes only what it will start
 # (worker.py): jobs it leaves behind wake an idle worker, as the API's push did, so none sleeps
 # through its block while work waits (one token, if none is there already).
 # KEYS: the model's queues, most urgent first, then the processing list, then the wake list.
-# Returns {1 if the one job taken must run alone, the jobs}.
+# Returns {1 if the one job taken must run alone, the jobs, their records}.
 _TAKE = """
 local nq = #KEYS - 2
 local processing = KEYS[nq + 1]
 local limit, alone_ok, last_retry = tonumber(ARGV[1]), ARGV[2] == '1', tonumber(ARGV[3])
-local taken, isolated = {}, 0
-local function lease(raw)
+local taken, isolated, written = {}, 0, {}
+local function take(queue, raw)
+  redis.call('LMOVE', queue, processing, 'LEFT', 'RIGHT')
   local id = string.match(raw, '^{"id":"([^"]*)"')
   if id then redis.call('SET', ARGV[7] .. id, ARGV[8], 'EX', tonumber(ARGV[9])) end
+  taken[#taken + 1] = raw
+  written[#taken] = id and redis.call('GET', ARGV[10] .. id) or ''
 end
 for i = 1, nq do
   while #taken < limit do
@@ -72,16 +91,13 @@ for i = 1, nq do
     local tries = tonumber(redis.call('GET', ARGV[4] .. id) or '0')
     if last_retry > 0 and tries >= last_retry then
       if alone_ok and #taken == 0 then
-        redis.call('LMOVE', KEYS[i], processing, 'LEFT', 'RIGHT')
-        lease(raw)
-        taken[1], isolated = raw, 1
+        take(KEYS[i], raw)
+        isolated = 1
       end
       limit = 0  -- nothing more now: it runs alone, or waits for a worker that holds nothing
       break
     end
-    redis.call('LMOVE', KEYS[i], processing, 'LEFT', 'RIGHT')
-    lease(raw)
-    taken[#taken + 1] = raw
+    take(KEYS[i], raw)
   end
 end
 if #taken > 0 then
@@ -97,17 +113,19 @@ if redis.call('LLEN', KEYS[nq + 2]) == 0 then
     end
   end
 end
-return {isolated, taken}
+return {isolated, taken, written}
 """
 
 # Put a dead worker's jobs back at the front of their queues, newest first so the oldest ends up
 # first in line, counting the death for each; a job that has already had its ARGV[2] retries is
-# answered with ARGV[1] (a Failure) instead. Either way the job's lease goes: should the worker only
-# have been cut off, it publishes nothing more for it. The heartbeat is checked here, not before, and
-# the worker struck off in the same step: a worker whose heartbeat comes back meanwhile keeps its jobs.
+# answered with ARGV[1] (a Failure) instead, and its record of written tokens goes with it (ARGV[12]
+# the prefix); one put back keeps its record, for the worker that takes it next. Either way the job's
+# lease goes: should the worker only have been cut off, it publishes nothing more for it. The
+# heartbeat is checked here, not before, and the worker struck off in the same step: a worker whose
+# heartbeat comes back meanwhile keeps its jobs.
 # KEYS: the worker's processing list, the model's wake list, the worker's heartbeat, the model's
 # worker registry. ARGV: the failure, max attempts, the key prefixes, the worker's id, the publishing
-# command (PUBLISH, or SPUBLISH in a cluster).
+# command (PUBLISH, or SPUBLISH in a cluster), the record prefix.
 # Returns {-1 if the worker is alive, else jobs requeued; jobs failed}.
 _REQUEUE = """
 if redis.call('EXISTS', KEYS[3]) == 1 then return {-1, 0} end
@@ -123,6 +141,7 @@ while true do
   if tries > tonumber(ARGV[2]) then
     redis.call('SET', ARGV[4] .. id, ARGV[1], 'EX', tonumber(ARGV[6]))
     redis.call(ARGV[11], ARGV[5] .. id, ARGV[1])
+    redis.call('DEL', ARGV[12] .. id)
     failed = failed + 1
   else
     redis.call('LPUSH', ARGV[8] .. priority, raw)
@@ -134,21 +153,31 @@ redis.call('HDEL', KEYS[4], ARGV[10])
 return {requeued, failed}
 """
 
-# A step's results, for jobs whose lease still names this worker (ARGV[1]): publish the new text,
-# store and publish the last message, take the job out of the processing list (KEYS[1]) and end its
-# lease. A job whose lease is gone or names another worker gets nothing: it is returned, lost.
+# A step's results, for jobs whose lease still names this worker (ARGV[1]): record the new tokens,
+# publish the new text, store and publish the last message, take the job out of the processing list
+# (KEYS[1]) and end its lease and its record. A job whose lease is gone or names another worker gets
+# nothing: it is returned, lost.
 # ARGV: the worker's id, the lease, channel and answer prefixes, the answer's TTL, the publishing
-# command (PUBLISH, or SPUBLISH in a cluster), then four per job: its id, its new text ('' none), its
-# last message ('' none), its JSON to remove ('' not done).
+# command (PUBLISH, or SPUBLISH in a cluster), the record prefix and TTL, then six per job: its id,
+# its new text ('' none), its last message ('' none), its JSON to remove ('' not done), and where
+# in its record (a byte offset) its new tokens go, and they ('' none).
 _PUBLISH = """
 local me, lease, channel, answer, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
-local publish = ARGV[6]
+local publish, written, written_ttl = ARGV[6], ARGV[7], tonumber(ARGV[8])
 local lost = {}
-for i = 7, #ARGV, 4 do
+for i = 9, #ARGV, 6 do
   local id, text, last, raw = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+  local at, record = tonumber(ARGV[i + 4]), ARGV[i + 5]
   if redis.call('GET', lease .. id) ~= me then
     lost[#lost + 1] = id
   else
+    -- At an offset the worker knows, not APPENDed: a call sent again after its reply was lost
+    -- writes the same bytes at the same place. Offset 0 replaces a record that was not resumed.
+    if record ~= '' and at == 0 then
+      redis.call('SET', written .. id, record, 'EX', written_ttl)
+    elseif record ~= '' then
+      redis.call('SETRANGE', written .. id, at, record)
+    end
     if text ~= '' then redis.call(publish, channel .. id, text) end
     if last ~= '' then
       -- Stored before it is published, so a subscriber that missed the message can still read it.
@@ -159,6 +188,7 @@ for i = 7, #ARGV, 4 do
       redis.call('LREM', KEYS[1], 1, raw)
       redis.call('DEL', lease .. id)
     end
+    if last ~= '' or raw ~= '' then redis.call('DEL', written .. id) end
   end
 end
 return lost
@@ -237,6 +267,11 @@ class JobQueue:
         self._put_back_script = client.register_script(_PUT_BACK)
         self._registered = False  # a heartbeat has put this worker in keys.model_workers
         self._raw: dict[str, bytes] = {}  # job id -> its exact JSON, which LREM needs
+        # Job id -> the tokens an earlier attempt wrote (its record), for the engine to resume from:
+        # the worker takes each out as it adds the job.
+        self.written: dict[str, list[int]] = {}
+        self._record_bytes: dict[str, int] = {}  # job id -> the length of its record in Redis
+        self._whole_due = time.monotonic() + RECORD_INTERVAL_S  # when whole jobs' tokens are recorded next
         # Dead workers' jobs this worker put back / failed after max_attempts, by model (/metrics).
         self.requeued: Counter[str] = Counter()
         self.crashed: Counter[str] = Counter()
@@ -251,32 +286,33 @@ class JobQueue:
         holds nothing), so that if it kills this worker too, it alone is to blame."""
         if limit <= 0:
             return []
-        raws = self._take_now(limit, alone_ok)
-        if not raws and block_s > 0:
+        taken = self._take_now(limit, alone_ok)
+        if not taken and block_s > 0:
             self._wait_for_work(block_s)
-            raws = self._take_now(limit, alone_ok)
-        if not raws:
+            taken = self._take_now(limit, alone_ok)
+        if not taken:
             return []
         deadline = time.monotonic() + wait_s
-        while len(raws) < limit and not self.isolated:
+        while len(taken) < limit and not self.isolated:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
             # Polled, not blocked: Redis checks a blocked client's timeout only every ~100 ms
             # (hz 10), so a 5 ms block on an empty queue can hold the whole batch for 100 ms.
             time.sleep(min(FILL_POLL_S, left))
-            raws += self._take_now(limit - len(raws), alone_ok=False)
-        return [job for job in map(self._parse, raws) if job is not None]
+            taken += self._take_now(limit - len(taken), alone_ok=False)
+        return [job for job in (self._parse(raw, record) for raw, record in taken) if job is not None]
 
-    def _take_now(self, limit: int, alone_ok: bool) -> list[bytes]:
-        isolated, raws = self._take_script(
+    def _take_now(self, limit: int, alone_ok: bool) -> list[tuple[bytes, bytes]]:
+        """(job JSON, its record of written tokens) for each job taken."""
+        isolated, raws, records = self._take_script(
             keys=[*keys.queues(self.model), self._processing, self._wake],
             args=[limit, int(alone_ok), self.max_attempts, keys.attempts(self.model, ""),
                   keys.drained_prefix(self.model), DRAINED_TTL_S, keys.lease(self.model, ""), self.worker_id,
-                  LEASE_TTL_S])
+                  LEASE_TTL_S, keys.written(self.model, "")])
         if isolated:
             self.isolated.add(_job_id(raws[0]))
-        return raws
+        return list(zip(raws, records))
 
     def adopt_stranded(self, held: Iterable[str], room: int, alone_ok: bool = True) -> list[Job]:
         """Jobs that a take moved into this worker's processing list, leased to it, without its reply
@@ -304,6 +340,10 @@ class JobQueue:
             if last_retry:
                 alone = True
                 self.isolated.add(job.id)
+        if adopted:  # their records, as a take returns them (one slot: the model's)
+            records = self.redis.mget([keys.written(self.model, j.id) for j in adopted])
+            for job, record in zip(adopted, records):
+                self._keep_written(job.id, record)
         returned = 0
         if back:
             returned = self._put_back_script(
@@ -323,7 +363,7 @@ class JobQueue:
             # The embedded stand-in for Redis (fakeredis) answers a blocking pop at once: don't spin.
             time.sleep(min(block_s, STAND_IN_POLL_S))
 
-    def _parse(self, raw: bytes):
+    def _parse(self, raw: bytes, record: Optional[bytes] = None):
         try:
             job = Job.from_json(raw)
         except (ValueError, TypeError, KeyError) as exc:
@@ -331,7 +371,21 @@ class JobQueue:
             self.redis.lrem(self._processing, 1, raw)
             return None
         self._raw[job.id] = raw
+        self._keep_written(job.id, record)
         return job
+
+    def _keep_written(self, job_id: str, record: Optional[bytes]) -> None:
+        """What a job taken resumes from: its record's tokens, unless it has none or it is malformed
+        (then, with a warning, the job is written from the start)."""
+        self.written.pop(job_id, None)
+        self._record_bytes.pop(job_id, None)  # anything known of an earlier hold of it is stale
+        if not record:
+            return
+        if not _RECORD.fullmatch(record):
+            log.warning("job %s: ignoring its malformed record of written tokens %r: writing it from the "
+                        "start", job_id, record[:80])
+            return
+        self.written[job_id] = [int(t) for t in record[:-1].split(b",")]
 
     # Results
 
@@ -345,6 +399,8 @@ class JobQueue:
         All in one round trip. If Redis fails, nothing is marked as sent: calling again with the
         same sequences sends it all again.
         """
+        now = time.monotonic()
+        whole_due = now >= self._whole_due
         entries, sending = [], []
         for seq in seqs:
             if seq.finish_reason == LOST:  # found lost before: nothing more is sent for it
@@ -352,17 +408,22 @@ class JobQueue:
             delta = seq.delta() if seq.job.stream else None
             last = encode_result(seq.final()) if seq.finish_reason in FINISHED_NORMALLY else ""
             raw = self._raw.get(seq.id, b"") if seq.finished else b""
-            if delta is not None or last or raw or check:
-                entries += [seq.id, encode_result(delta) if delta is not None else "", last, raw]
-            sending.append((seq, delta))
+            at, record = self._record(seq, whole_due)
+            if delta is not None or last or raw or check or record:
+                entries += [seq.id, encode_result(delta) if delta is not None else "", last, raw, at, record]
+            sending.append((seq, delta, len(seq.output_ids) if record else 0, at + len(record)))
         lost_ids = {_text(i) for i in self._run_publish(entries)}
+        if whole_due:
+            self._whole_due = now + RECORD_INTERVAL_S
         published = Published([], [])
-        for seq, delta in sending:
+        for seq, delta, recorded, record_bytes in sending:
             if seq.id in lost_ids:
                 seq.cancel(LOST)
                 self._forget(seq.id)
                 published.lost.append(seq)
                 continue
+            if recorded:
+                seq.recorded, self._record_bytes[seq.id] = recorded, record_bytes
             if delta is not None:
                 seq.sent(delta)
             if seq.finished:
@@ -376,23 +437,38 @@ class JobQueue:
         failure = encode_result(Failure(message=message, code=code))
         entries = []
         for job_id in job_ids:
-            entries += [job_id, "", failure, self._raw.get(job_id, b"")]
+            entries += [job_id, "", failure, self._raw.get(job_id, b""), 0, ""]
         lost = {_text(i) for i in self._run_publish(entries)}
         for job_id in job_ids:
             self._forget(job_id)
         return lost
 
+    def _record(self, seq: Sequence, whole_due: bool) -> tuple[int, str]:
+        """Where the tokens `seq` wrote since its last record go in its record (a byte offset), and
+        they ('' none now): a stream's at every step, so that its text is never ahead of them, also
+        when that text is held back (half a character, maybe a stop string); a whole job's when
+        `whole_due`. A finished job's answer deletes its record instead."""
+        if seq.finished or not (seq.job.stream or whole_due) or len(seq.output_ids) == seq.recorded:
+            return 0, ""
+        at = self._record_bytes.get(seq.id)
+        if at is None:  # its first record, or its first since it resumed from one
+            at = len(_record_text(seq.output_ids[:seq.recorded]))
+        return at, _record_text(seq.output_ids[seq.recorded:])
+
     def _run_publish(self, entries: list) -> list:
+        """`entries`: six per job (_PUBLISH says which)."""
         if not entries:
             return []
         return self._publish_script(
             keys=[self._processing],
             args=[self.worker_id, keys.lease(self.model, ""), keys.channel(self.model, ""),
                   keys.answer(self.model, ""), self.answer_ttl_s, self._publish_command,
-                  *entries])
+                  keys.written(self.model, ""), LEASE_TTL_S, *entries])
 
     def _forget(self, job_id: str) -> None:
         self._raw.pop(job_id, None)
+        self.written.pop(job_id, None)
+        self._record_bytes.pop(job_id, None)
         self.isolated.discard(job_id)
 
     def cancelled(self, job_ids: list[str]) -> set[str]:
@@ -470,7 +546,7 @@ class JobQueue:
                       keys.model_workers(model)],
                 args=[crashed, self.max_attempts, keys.attempts(model, ""), keys.answer(model, ""),
                       keys.channel(model, ""), self.answer_ttl_s, ATTEMPTS_TTL_S, keys.queue_prefix(model),
-                      keys.lease(model, ""), worker_id, self._publish_command])
+                      keys.lease(model, ""), worker_id, self._publish_command, keys.written(model, "")])
             if requeued < 0:  # its heartbeat came back since
                 continue
             self.redis.hdel(keys.WORKERS, worker_id)  # struck off in the model's slot: off the list too
@@ -481,6 +557,11 @@ class JobQueue:
                             "retries", worker_id, requeued, failed, self.max_attempts)
             total += requeued
         return total
+
+
+def _record_text(tokens: list[int]) -> str:
+    """Token ids as a record holds them (keys.written)."""
+    return "".join(f"{t}," for t in tokens)
 
 
 def _job_id(raw: bytes) -> str:

@@ -1,10 +1,10 @@
 """A worker's Prometheus metrics, served on --metrics-port.
 
-What happens once per job (its queue wait, its time per output token) or once per step (the batch
-size) is observed as it happens, into histograms. Everything else (sequences running and waiting,
-KV-cache usage, preemptions, prefix-cache hits, tokens generated, jobs put back) the engine and the
-job queue count anyway, as plain numbers: they are read when /metrics is scraped, which costs the
-decode loop nothing.
+What happens once per job (its queue wait, its time per output token, the tokens it resumed from)
+or once per step (the batch size) is observed as it happens, into histograms and a counter.
+Everything else (sequences running and waiting, KV-cache usage, preemptions, prefix-cache hits,
+tokens generated, jobs put back) the engine and the job queue count anyway, as plain numbers: they
+are read when /metrics is scraped, which costs the decode loop nothing.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import logging
 import time
 from collections import Counter as Tally
 
-from prometheus_client import REGISTRY, Histogram, start_http_server
+from prometheus_client import REGISTRY, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from shared import metrics as names
@@ -35,6 +35,8 @@ TIME_PER_OUTPUT_TOKEN = Histogram(names.TIME_PER_OUTPUT_TOKEN, "A finished job's
                                   buckets=TOKEN_BUCKETS)
 BATCH_SIZE = Histogram(names.BATCH_SIZE, "Sequences computed together in one engine step", ["model"],
                        buckets=BATCH_BUCKETS)
+RESUMED_TOKENS = Counter(names.RESUMED_TOKENS, "Tokens of requeued jobs taken from their record of what an "
+                         "earlier worker wrote, instead of decoded again", ["model"])
 
 
 class WorkerMetrics:
@@ -45,12 +47,16 @@ class WorkerMetrics:
         self._wait = QUEUE_WAIT.labels(model)
         self._per_token = TIME_PER_OUTPUT_TOKEN.labels(model)
         self._batch = BATCH_SIZE.labels(model)
+        self._resumed = RESUMED_TOKENS.labels(model)  # bound now: exported at 0 before any resume
 
     def taken(self, job: Job, redis_now: float) -> None:
         """`redis_now`: Redis' time at its taking, the clock its enqueued_at was read from."""
         waited = clock.queue_wait(job.enqueued_at, redis_now)
         if waited is not None:
             self._wait.observe(waited)
+
+    def resumed(self, tokens: int) -> None:
+        self._resumed.inc(tokens)
 
     def stepped(self, batch: int) -> None:
         if batch:
@@ -59,7 +65,7 @@ class WorkerMetrics:
     def finished(self, seqs: list[Sequence]) -> None:
         now = time.monotonic()
         for seq in seqs:
-            tokens = len(seq.output_ids)
+            tokens = len(seq.output_ids) - seq.resumed  # written here
             if seq.finish_reason in FINISHED_NORMALLY and tokens > 1:
                 self._per_token.observe((now - seq.first_token_at) / (tokens - 1))
 

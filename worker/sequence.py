@@ -4,6 +4,8 @@ from __future__ import annotations
 import time
 from typing import Optional
 
+import torch
+
 from shared.protocol import Final, Job, TextDelta
 from worker.sampling import new_generator
 
@@ -13,7 +15,9 @@ _CONTEXT_TOKENS = 4
 
 
 class Sequence:
-    def __init__(self, job: Job, tokenizer, eos_ids: frozenset[int]):
+    def __init__(self, job: Job, tokenizer, eos_ids: frozenset[int], written: Optional[list[int]] = None):
+        """`written`: the tokens an earlier attempt at the job wrote before its worker died (its
+        record in Redis, checked by the engine): the sequence continues after them (`_resume`)."""
         self.job = job
         self.params = job.params
         self.prompt_ids = list(job.prompt_ids)
@@ -32,6 +36,10 @@ class Sequence:
         self._read_offset = len(self._window)
         self.text = ""  # all text written so far (cut at a stop string)
         self._sent = 0  # how much of `text` has been published
+        self.resumed = 0  # leading output tokens taken from an earlier attempt's record
+        self.recorded = 0  # leading output tokens in the job's record in Redis (the queue keeps it)
+        if written:
+            self._resume(written)
 
     @property
     def id(self) -> str:
@@ -46,7 +54,7 @@ class Sequence:
         if token in self._eos_ids:
             self._finish("stop")
             return
-        if not self.output_ids:
+        if not self.first_token_at:
             self.first_token_at = time.monotonic()
         self.output_ids.append(token)
         if self._incremental:
@@ -57,6 +65,21 @@ class Sequence:
                 return
         if len(self.output_ids) >= self.params.max_tokens:
             self._finish("length")
+
+    def _resume(self, written: list[int]) -> None:
+        """Continue where an earlier attempt stopped: each of its tokens is taken as it took it, so
+        the text, the detokenizer's window and the stop-string check are what that attempt had, and
+        for a sampled job the generator makes the draws it made (one per token: worker/sampling.py),
+        so the next token is drawn as it would have been. Nothing is published here: the first
+        delta starts at offset 0, and the API sends its client only what it has not had."""
+        for token in written:
+            if self.finished:  # the record alone completes it (a stop string, max_tokens)
+                break
+            self.append(token)
+            if not self.params.greedy:
+                torch.rand((), generator=self.generator)
+        self.resumed = self.recorded = len(self.output_ids)
+        self.first_token_at = 0.0  # its time per output token counts the tokens written here
 
     def cancel(self, reason: str = "cancelled") -> None:
         self.finish_reason = reason

@@ -7,6 +7,7 @@ the whole batch is done; that is what a continuous engine adds.
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -16,6 +17,8 @@ from shared.protocol import Job
 from worker.model_loader import LoadedModel
 from worker.sampling import sample
 from worker.sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,6 +46,19 @@ def check_prompt(prompt: list[int], loaded: LoadedModel) -> None:
         raise ValueError(f"token ids must be in [0, {loaded.vocab_size})")
 
 
+def resumable(written: Optional[list[int]], job: Job, loaded: LoadedModel) -> Optional[list[int]]:
+    """The tokens an earlier attempt at the job wrote, if this model can continue from them; None
+    if there are none, or (with a warning) if they cannot be this job's: the job starts again."""
+    if not written:
+        return None
+    if len(written) > job.params.max_tokens or min(written) < 0 or max(written) >= loaded.vocab_size:
+        log.warning("job %s: ignoring its record of %d written token(s), which cannot be its own (over its "
+                    "max_tokens %d, or ids outside the vocabulary): writing it from the start", job.id,
+                    len(written), job.params.max_tokens)
+        return None
+    return written
+
+
 class StaticEngine:
     name = "static"
 
@@ -64,12 +80,13 @@ class StaticEngine:
     def free_slots(self) -> int:
         return 0 if self._running else self.capacity - len(self._waiting)
 
-    def add(self, job: Job) -> Sequence:
+    def add(self, job: Job, written: Optional[list[int]] = None) -> Sequence:
         if self.free_slots() <= 0:
             raise RuntimeError("static engine: no room until the running batch ends")
         check_prompt(job.prompt_ids, self.loaded)
-        seq = Sequence(job, self.loaded.tokenizer, self.loaded.eos_ids)
-        self._waiting.append(seq)
+        seq = Sequence(job, self.loaded.tokenizer, self.loaded.eos_ids, resumable(written, job, self.loaded))
+        if not seq.finished:  # else its record completed it: nothing to compute
+            self._waiting.append(seq)
         return seq
 
     def sequences(self) -> list[Sequence]:
@@ -107,7 +124,8 @@ class StaticEngine:
         self._running, self._waiting = [s for s in self._waiting if not s.finished], []
         if not self._running:
             return None
-        ids, mask = left_pad([s.prompt_ids for s in self._running], self.loaded.pad_id)
+        # A resumed job's written tokens are prefilled with its prompt (a prefill, not a decode each).
+        ids, mask = left_pad([s.prompt_ids + s.output_ids for s in self._running], self.loaded.pad_id)
         dev = self.loaded.device
         self._cache = DynamicCache()
         self._mask = mask.to(dev)

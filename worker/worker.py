@@ -162,11 +162,14 @@ class Worker:
         self._add(adopted)
 
     def _add(self, taken: list) -> None:
-        """Hand the jobs taken to the engine; those it cannot run are answered at once."""
+        """Hand the jobs taken to the engine, each with what an earlier attempt wrote (it resumes
+        from there); those it cannot run are answered at once, as are those their record completes."""
         now = self.queue.clock.now()  # Redis' clock, as the jobs' enqueued_at: no host's own
         if taken:
             self._drop_retaken({job.id for job in taken})
+        complete = []
         for job in taken:
+            written = self.queue.written.pop(job.id, None)
             self.metrics.taken(job, now)
             if clock.expired(job.enqueued_at, job.timeout_s, now):  # nobody is waiting for it any more
                 self.queue.fail([job.id], "the request's deadline passed before it was decoded", "timeout")
@@ -174,10 +177,18 @@ class Worker:
             if self._crash_on == job.prompt_ids:  # the test hook: die as a crashing job would make us
                 os.kill(os.getpid(), signal.SIGKILL)
             try:
-                self.engine.add(job)
+                seq = self.engine.add(job, written)
             except Exception as exc:  # one bad job fails alone; the worker and its batch go on
                 log.exception("job %s refused", job.id)
                 self.queue.fail([job.id], f"the worker could not take this request: {exc}")
+                continue
+            if seq.resumed:
+                log.info("job %s resumes after the %d token(s) an earlier worker wrote", job.id, seq.resumed)
+                self.metrics.resumed(seq.resumed)
+            if seq.finished:  # not held by the engine: nothing left to compute
+                complete.append(seq)
+        if complete:
+            self._publish(complete)
 
     def _drop_retaken(self, job_ids: set[str]) -> None:
         """A job taken that this worker holds already: it lost the job while cut off from Redis and

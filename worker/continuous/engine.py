@@ -22,7 +22,7 @@ from worker.continuous.request import Request, Status
 from worker.continuous.scheduler import Scheduler
 from worker.model_loader import LoadedModel
 from worker.sequence import Sequence
-from worker.static_engine import check_prompt
+from worker.static_engine import check_prompt, resumable
 
 log = logging.getLogger(__name__)
 
@@ -129,14 +129,15 @@ class ContinuousEngine:
                 cost, share = (self._start_cost + cost) / 2, (self._hit_share + share) / 2
             self._start_cost, self._hit_share = cost, share
 
-    def add(self, job: Job) -> Sequence:
+    def add(self, job: Job, written: list[int] | None = None) -> Sequence:
         check_prompt(job.prompt_ids, self.loaded)
         most = len(job.prompt_ids) + job.params.max_tokens
         if self.blocks.blocks_for(most) > self.blocks.num_blocks:
             raise ValueError(f"{most} tokens (prompt and max_tokens) do not fit in this worker's KV "
                              f"cache of {self.blocks.num_blocks * self.blocks.block_size} tokens")
-        seq = Sequence(job, self.loaded.tokenizer, self.loaded.eos_ids)
-        self.scheduler.add(Request(seq))
+        seq = Sequence(job, self.loaded.tokenizer, self.loaded.eos_ids, resumable(written, job, self.loaded))
+        if not seq.finished:  # else its record completed it: nothing to compute
+            self.scheduler.add(Request(seq))
         return seq
 
     def sequences(self) -> list[Sequence]:

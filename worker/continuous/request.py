@@ -24,8 +24,9 @@ class Request:
         self.status = Status.PENDING
         self.table = BlockTable()
         # Every token whose KV the request needs: the prompt, then what it wrote. After a
-        # preemption the written tokens are simply part of what is prefilled again.
-        self.tokens = list(seq.prompt_ids)
+        # preemption the written tokens are simply part of what is prefilled again, as are those
+        # a resumed sequence took from its job's record.
+        self.tokens = seq.prompt_ids + seq.output_ids
         self.computed = 0  # leading tokens whose KV is in the cache
         self.preemptions = 0
 
