@@ -87,13 +87,13 @@ class Settings:
     scheduler: str = _setting("fifo", "fifo (decodes, then ongoing prefills, then new requests) | "
                                       "prefill-first")
     prefix_caching: bool = _setting(True, "share the KV blocks of prompts that start alike")
-    int4_rows: int = _setting(256, "run the model's quantized layers (the GGUF's Q4_1 blocks and Q8_0 "
-                                   "head) on the quantized kernel this CPU runs fastest when a step "
-                                   "has at most this many tokens, and fewer than where the dense "
-                                   "product gets faster (timed at start) (0: never)")
-    small_kernel: str = _setting("auto", "the quantized kernel of those steps: auto (the fastest here, "
-                                         "timed at start) | int8 (AVX-512 VNNI or AVX2; the activations "
-                                         "rounded to 8 bits, as llama.cpp does) | int4 (torch's) | "
+    int4_rows: int = _setting(-1, "run the model's quantized layers (the GGUF's Q4_1 blocks and Q8_0 "
+                                  "head) on the quantized kernel for steps of up to this many tokens, "
+                                  "the dense product beyond (-1: every step, one numeric path whatever "
+                                  "the step holds: batch-invariant; 0: never)")
+    small_kernel: str = _setting("auto", "the quantized kernel: auto (int8 where this CPU has AVX-512 "
+                                         "VNNI or AVX2, else bytes) | int8 (the activations rounded to "
+                                         "8 bits, as llama.cpp does; batch-invariant) | int4 (torch's) | "
                                          "bytes (float, any CPU) | dense (none)")
     int4_head: bool = _setting(False, "also requantize the output head to 4 bits (faster, less "
                                       "exact)")

@@ -42,7 +42,9 @@ def check(settings: Settings) -> None:
         raise SystemExit(f"--scheduler {settings.scheduler!r}: expected one of {', '.join(POLICIES)}")
     if settings.small_kernel not in SMALL_KERNELS:
         raise SystemExit(f"--small-kernel {settings.small_kernel!r}: expected one of {', '.join(SMALL_KERNELS)}")
-    for name in ("batch", "kv_blocks", "int4_rows", "torch_threads", "step_fill"):
+    if settings.int4_rows < -1:
+        raise SystemExit("--int4-rows must be -1 (every step), 0 (never) or a number of tokens")
+    for name in ("batch", "kv_blocks", "torch_threads", "step_fill"):
         if getattr(settings, name) < 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be 0 or more")
     if settings.max_stretch and settings.max_stretch < 1:

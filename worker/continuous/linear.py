@@ -1,29 +1,26 @@
-"""A linear layer that holds its weight twice: dense for big steps, quantized for small ones.
+"""A linear layer: the GGUF's quantized blocks on one kernel for every step size, or a dense weight.
 
-At a few tokens per step a decode is bound by memory bandwidth, and the GGUF's own quantized
-blocks (Q4_1 layers, the Q8_0 head) stream far fewer bytes than a dense copy. At many tokens per
-step it is bound by arithmetic, and the dense product wins. The choice is made per call, by the
-number of rows: up to `small_rows` take the quantized path (--int4-rows, lowered at start to where
-the dense product gets faster on this CPU, timed).
+One numeric path whatever the step holds is what makes a request's text its own (docs/serving.md,
+"Same request, same text"): a row's product must not change with how many rows share its step.
+So the quantized kernel picked here runs every step, from a lone decode to a 512-token prompt chunk;
+it is chosen by what this CPU has, never by a timing (two workers of one pool, or one worker
+started twice, compute the same bits). On AVX-512 VNNI CPUs that kernel (csrc/panels.h: the file's
+Q4_1 and Q8_0 bytes against 8-bit activations, 16 output features a vector) was also the fastest
+at every row count measured here, 1 to 512 (bench/row_kernels.py), ahead of oneDNN's bf16 product.
 
-Three quantized kernels exist, and which is faster depends on the CPU, by a lot: torch's int4
-kernel (the Q4_1 blocks repacked without changing a value: scale = d, zero = m + 8 d) is fast with
-AVX-512 and was 60x slower than float32 on an AVX2-only CPU here; this engine's float kernel
-(csrc/quantized.h: the file's nibbles and bytes, AVX2) runs anywhere; its integer kernel
-(csrc/int8.h: the activations rounded to 8 bits per group, as llama.cpp does, and the file's bytes
-multiplied in int8, with AVX-512 VNNI or else AVX2) was the fastest on both kinds of CPU here.
-`small_kernel` times them once per process on layers of SmolLM2's shape and keeps the fastest, or
-none if none beats the dense product, and up to how many rows it keeps winning.
+The other kernels stay as settings (--small-kernel): "int8" on AVX2 (csrc/int8.h, the same
+rounding, a weight row's groups along the lanes), "bytes" (csrc/quantized.h, the weights turned to
+floats, any CPU), "int4" (torch's), and "dense" (the weights dequantized: torch's product, whose
+reduction order may change with the number of rows, so not batch-invariant). --int4-rows N limits
+the quantized kernel to steps of up to N tokens, with the dense product beyond: faster on a CPU
+whose dense product wins at many rows (AMX), at the cost of invariance; logged at start.
 
-On the CPU in bf16 the dense weight is stored pre-packed in oneDNN's blocked layout, the same
+On the CPU in bf16 a dense weight is stored pre-packed in oneDNN's blocked layout, the same
 kernel that torch.compile's freezing pass uses: measured 1.1-2x faster than F.linear on the same
-weight, with no compile step. Float32 keeps F.linear, so the exactness tests compare like with like.
+weight, with no compile step. Float32 keeps F.linear.
 """
 from __future__ import annotations
 
-import logging
-import time
-from functools import lru_cache
 from typing import Optional, Union
 
 import torch
@@ -31,10 +28,10 @@ import torch.nn.functional as F
 
 from worker.continuous.weights import Q41, Q80, Quantized
 
-log = logging.getLogger(__name__)
-
 GROUP = 32  # Q4_1 and Q8_0 blocks: one scale (and minimum) per 32 weights of a row
 PACK_ROWS_HINT = 64  # oneDNN blocks the packed weight for steps of about this many rows
+EVERY_STEP = -1  # --int4-rows: the quantized kernel at every step size (the default)
+SMALL_KERNELS = ("auto", "int8", "int4", "bytes", "dense")
 
 
 class Linear:
@@ -43,33 +40,35 @@ class Linear:
                  small: str = "auto"):
         """`kernel`: the engine's C++ module (kernels.build), or None. `dense`: the weight already
         dequantized in `dtype` on `device` (a tied embedding's table), shared instead of made again.
-        `small`: the quantized kernel of small steps (SMALL_KERNELS; "auto": `small_kernel`'s pick)."""
+        `small_rows`: steps of up to this many rows take the quantized kernel `small`
+        (SMALL_KERNELS; "auto": `pick_kernel`'s), EVERY_STEP all of them, 0 none."""
         quantized = isinstance(weight, (Q41, Q80))
-        self.weight = dense if dense is not None else \
-            (weight.dequantize() if quantized else weight).to(device=device, dtype=dtype)
-        self.bias = None if bias is None else bias.to(device=device, dtype=dtype)
-        self.out_features = self.weight.shape[0]
-        self.onednn = device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-        if self.onednn:  # the plain copy is not kept: the packed one is all the products need
-            try:
-                self.weight = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_ROWS_HINT)
-            except RuntimeError:  # oneDNN's bf16 packing needs AVX-512 (or AVX-NE-CONVERT)
-                self.onednn = False
-        self.small, most = None, 0
-        if quantized and small_rows and device.type == "cpu" and small != "dense":
-            # Past some rows the dense product is faster: where, depends on the CPU (timed once).
-            self.small, most = small_kernel(kernel, dtype, small)
+        self.small = pick_kernel(small, kernel) if quantized and small_rows and device.type == "cpu" else None
         if self.small == "int4" and not isinstance(weight, Q41):
             self.small = None  # torch's int4 kernel takes 4-bit values only
-        self.small_rows = min(small_rows, most) if self.small else 0
+        self.small_rows = (1 << 62 if small_rows == EVERY_STEP else small_rows) if self.small else 0
+        self.bias = None if bias is None else bias.to(device=device, dtype=dtype)
+        self.onednn = False
+        self.weight = None  # the dense weight, only where some step needs it
+        if self.small_rows < 1 << 62:
+            self.weight = dense if dense is not None else \
+                (weight.dequantize() if quantized else weight).to(device=device, dtype=dtype)
+            self.onednn = device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            if self.onednn:  # the plain copy is not kept: the packed one is all the products need
+                try:
+                    self.weight = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_ROWS_HINT)
+                except RuntimeError:  # oneDNN's bf16 packing needs AVX-512 (or AVX-NE-CONVERT)
+                    self.onednn = False
+        self.out_features = weight.shape[0]
         self.q4_1 = isinstance(weight, Q41)
         self.kernel = kernel
         self.packed = self.scales_zeros = None  # torch's int4 layout, or the file's bytes for "int8"
         self.q = self.d = self.m = None  # the file's own: a byte per weight, a scale and minimum per group
+        self.panels = self.small == "int8" and hasattr(kernel, "panel_linear")  # csrc/panels.h's layout
         if self.small == "int4":
             self.packed, self.scales_zeros = weight.pack_int4(dtype)
         elif self.small == "int8":
-            self.packed = weight.int8_packed()
+            self.packed = weight.panel_packed() if self.panels else weight.int8_packed()
         elif self.small == "bytes":  # Q4_1 two weights to a byte, Q8_0 one
             self.q = weight.nibbles() if isinstance(weight, Q41) else weight.q.contiguous()
             self.d, self.m = weight.d.contiguous(), weight.m
@@ -78,6 +77,8 @@ class Linear:
         if x.shape[0] <= self.small_rows:
             if self.small == "int4":
                 out = torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
+            elif self.panels:
+                out = self.kernel.panel_linear(x, self.packed, self.q4_1)
             elif self.small == "int8":
                 out = self.kernel.int8_linear(x, self.packed, self.q4_1)
             else:
@@ -89,112 +90,51 @@ class Linear:
 
     def for_kernel(self):
         """This layer as the C++ decoder holds it (sharing these tensors, not copying them)."""
+        int8 = (5 if self.q4_1 else 6) if self.panels else (3 if self.q4_1 else 4)
         small = {"int4": (1, self.packed, self.scales_zeros, None),
                  "bytes": (2, self.q, self.d, self.m),
-                 "int8": (3 if self.q4_1 else 4, self.packed, None, None)}.get(self.small, (0, None, None, None))
-        return self.kernel.Linear(self.weight, self.onednn, small[0], *small[1:], self.small_rows)
+                 "int8": (int8, self.packed, None, None)}.get(self.small, (0, None, None, None))
+        weight = self.weight if self.weight is not None else torch.empty(0)
+        return self.kernel.Linear(weight, self.onednn, small[0], *small[1:], self.small_rows)
 
 
-SMALL_KERNELS = ("auto", "int8", "int4", "bytes", "dense")
+def pick_kernel(name: str, kernel) -> Optional[str]:
+    """The quantized kernel `name` stands for here ("auto": the integer kernel where this CPU has
+    one, else the float one; neither without the C++ kernels), or None for the dense product."""
+    if name == "auto":
+        if kernel is None:
+            return None
+        return "int8" if hasattr(kernel, "int8_linear") or hasattr(kernel, "panel_linear") else "bytes"
+    return None if name == "dense" else name
+
+
+def describe(name: str, rows: int, kernel) -> str:
+    """What --small-kernel `name` and --int4-rows `rows` run here, and whether a row's numbers then
+    depend on its step (logged at start, and part of the worker's numerics fingerprint)."""
+    picked = pick_kernel(name, kernel) if rows else None
+    path = {"int8": "int8-panels-vnni" if hasattr(kernel, "panel_linear") else "int8-avx2",
+            "bytes": "bytes", "int4": "int4-torch", None: "dense"}[picked]
+    if picked and rows != EVERY_STEP:
+        path += f"-to-{rows}-rows"
+    return path
+
+
+def batch_invariant(name: str, rows: int, kernel) -> bool:
+    """Whether the products of these settings give a row the same bits whatever shares its step:
+    one of this engine's kernels at every step (tests/test_invariance.py checks them)."""
+    return rows == EVERY_STEP and pick_kernel(name, kernel) == "int8"
 
 
 def check_small_kernel(name: str, kernel) -> None:
     """Refuses a kernel this process cannot run (--small-kernel), with the reason."""
     if name not in SMALL_KERNELS:
         raise ValueError(f"--small-kernel {name!r}: one of {', '.join(SMALL_KERNELS)}")
-    needs = {"int8": "int8_linear", "bytes": "quantized_linear"}.get(name)
-    if needs and not hasattr(kernel, needs):
+    needs = {"int8": ("int8_linear", "panel_linear"), "bytes": ("quantized_linear",)}.get(name, ())
+    if needs and not any(hasattr(kernel, n) for n in needs):
         why = "the C++ kernels were not built" if kernel is None else "this CPU has neither AVX-512 VNNI nor AVX2"
         raise ValueError(f"--small-kernel {name}: unavailable here ({why})")
     if name == "int4" and not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
         raise ValueError("--small-kernel int4: this torch has no int4 kernel for the CPU")
-
-
-# Rows at which the quantized kernel is timed against the dense product.
-CROSSOVER_ROWS = (2, 4, 8, 16, 32, 64, 128, 256)
-
-
-def _timing_layers(dtype):
-    """16 layers of SmolLM2's MLP shape, ~56 MB dense in float32: more than a CPU's cache, so the
-    weights stream from memory as a real step's do (a single layer that stays in cache makes the
-    dense product look as fast as the quantized ones). Quantized, and dense as Linear runs them."""
-    gen = torch.Generator().manual_seed(0)
-    layers = [quantize_q4_1(torch.randn(1536, 576, generator=gen)) for _ in range(16)]
-    return layers, [Linear(w, None, dtype, torch.device("cpu")) for w in layers]  # as the model's dense path
-
-
-def _ways(kernel, dtype, names) -> dict:
-    """name -> a function of x that runs the 16 timing layers that way (None: dense)."""
-    layers, dense = _timing_layers(dtype)
-    ways = {None: lambda x: [layer(x) for layer in dense]}
-    if "int4" in names and hasattr(torch, "_weight_int4pack_mm_for_cpu"):
-        packed = [w.pack_int4(dtype) for w in layers]
-        ways["int4"] = lambda x: [torch._weight_int4pack_mm_for_cpu(x, p, GROUP, sz) for p, sz in packed]
-    if "bytes" in names and kernel is not None and hasattr(kernel, "quantized_linear"):
-        packed_q = [w.nibbles() for w in layers]
-        ways["bytes"] = lambda x: [kernel.quantized_linear(x, q, w.d, w.m) for q, w in zip(packed_q, layers)]
-    if "int8" in names and kernel is not None and hasattr(kernel, "int8_linear"):
-        packed_8 = [w.int8_packed() for w in layers]
-        ways["int8"] = lambda x: [kernel.int8_linear(x, p, True) for p in packed_8]
-    return ways
-
-
-def _fastest(ways: dict, x: torch.Tensor, repeats: int = 5, threads: int = 1) -> dict:
-    """Each way's least disturbed time on x, in seconds, on `threads` threads.
-
-    The quantized kernels are timed against each other on one thread: a multithreaded kernel
-    timed while other processes hold the cores waits for its slowest thread (once measured 120 ms
-    where it takes 1.6), and they scale alike with threads, being memory-bound."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        times = {}
-        for name, run in ways.items():
-            run(x)
-            samples = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                run(x)
-                samples.append(time.perf_counter() - start)
-            times[name] = min(samples)
-        return times
-    finally:
-        torch.set_num_threads(before)
-
-
-@lru_cache(maxsize=None)
-def small_kernel(kernel, dtype, choice: str = "auto") -> tuple[Optional[str], int]:
-    """The quantized kernel of small steps and the most rows a step may have for it, timed once per
-    process (the timing layers are let go after): `choice`, or for "auto" the fastest at one row:
-    "int4" (torch's), "bytes" or "int8" (ours), or None (dense is fastest, and no rows)."""
-    ways = _ways(kernel, dtype, ("int4", "bytes", "int8") if choice == "auto" else (choice,))
-    name = choice
-    if choice == "auto":
-        times = _fastest(ways, torch.randn(1, 576, dtype=dtype))
-        name = min(times, key=times.get)
-        log.info("small steps' products: %s (16 layers at one row, one thread: %s)", name or "dense",
-                 ", ".join(f"{way or 'dense'} {t * 1e3:.1f} ms" for way, t in times.items()))
-        if name is None:
-            return None, 0
-    return name, _crossover_rows({None: ways[None], name: ways[name]}, name, dtype)
-
-
-def _crossover_rows(ways: dict, name: str, dtype) -> int:
-    """The most rows a step may have for the quantized kernel `name` still to beat the dense product
-    here (timed at CROSSOVER_ROWS; at least 1). Where the dense product is fast (bf16 on AMX) that
-    is a few rows; where it is float32 on AVX2, the integer kernel won up to 128.
-    On the process's threads: there the dense product gained little from a second thread (64 rows:
-    35 ms on one, 33 on two) and the integer kernel twice (40, 23 ms)."""
-    rows, seen = 1, []
-    for n in CROSSOVER_ROWS:
-        times = _fastest(ways, torch.randn(n, 576, dtype=dtype), repeats=3, threads=torch.get_num_threads())
-        seen.append(f"{n}: {times[name] * 1e3:.1f} / {times[None] * 1e3:.1f} ms")
-        if times[name] >= times[None]:
-            break
-        rows = n
-    log.info("%s products up to %d rows a step (16 layers, %s against dense: %s)", name, rows, name,
-             ", ".join(seen))
-    return rows
 
 
 def fuse(parts: list) -> Union[torch.Tensor, Q41]:

@@ -12,12 +12,6 @@ from worker.continuous.attention import Chunk, KVCache, StepLayout
 from worker.continuous.request import Request, Status
 from worker.sampling import sample
 
-# A step's prompt chunks run as rows of the decode kernels (each token attending alone through its
-# request's block table) while their tokens attend to at most this many cached tokens in all:
-# cheap beside the step's matrix products. Past it (a long prompt's late chunks), torch's fused
-# attention does them better, layer by layer.
-CHUNKS_AS_ROWS = 16384
-
 
 class ModelRunner:
     def __init__(self, model, cache: KVCache, block_size: int, device: torch.device, kernel=None):
@@ -61,14 +55,13 @@ class ModelRunner:
                 chunks.append((start, len(ids), req, first + count))
         dev = self.device
         # Each row's blocks and how many tokens it attends to: the decodes', and where the kernel
-        # is built and the prompts' chunks attend to little, every chunk token's too (its own
-        # position + 1): then the whole step runs as rows, in the C++ decoder for the families
-        # that have one, instead of the layer-by-layer path that a chunk needs otherwise (a step of
-        # 64 decodes took 45 ms alone and 91 ms with a 30-token prompt beside them).
+        # is built every prompt token's too (its own position + 1). Then the whole step runs as
+        # rows, through one attention kernel that reduces each row over its blocks in order, in
+        # the C++ decoder for the families that have one: a token's keys, values and logits are
+        # the same bits whether it came in a prompt chunk of any size or as a decode (the same
+        # text whatever the crowd, docs/serving.md). Without the kernel, chunks go through torch.
         rows = [(r.table.blocks, r.computed + 1) for r in decodes]
-        if chunks and self.kernel is not None and \
-                sum((known + 1 - (end - start) + known) * (end - start) for start, end, _, known in chunks) \
-                <= 2 * CHUNKS_AS_ROWS:
+        if chunks and self.kernel is not None:
             rows += [(req.table.blocks, p + 1) for start, end, req, known in chunks
                      for p in range(known - (end - start), known)]
             chunks = []

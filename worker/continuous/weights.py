@@ -25,6 +25,7 @@ from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 from transformers.integrations.gguf.reader import GgufHeader, read_gguf_metadata
 
 GROUP = 32  # Q4_1 and Q8_0 blocks: 32 weights along the input dimension share a scale
+PANEL = 16  # output features csrc/panels.h takes together (one int32 lane each)
 
 _Q41_BLOCK = 20  # float16 d, float16 m, 16 bytes of nibbles
 _Q80_BLOCK = 34  # float16 d, 32 int8
@@ -77,6 +78,15 @@ class Q41:
         groups: their 64 bytes of nibbles, then their 4 scales, then their 4 minimums (float16)."""
         return _chunked([self.nibbles(), _halves(self.d), _halves(self.m)], 4)
 
+    def panel_packed(self) -> torch.Tensor:
+        """uint8 [N // 16, K // 32 * 320]: csrc/panels.h's layout, 16 output features to a panel and
+        per group: 4 blocks of 64 bytes (byte b of feature f in block j: weight 4j + b in its low
+        nibble, 16 + 4j + b in its high one), then the 16 scales and the 16 minimums (float16)."""
+        rows, cols = self.shape
+        q = self.q.reshape(rows // PANEL, PANEL, cols // GROUP, 2, 4, 4)  # [P, f, G, half, j, b]
+        nibbles = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)  # [P, G, j, f, b]
+        return _panels(nibbles, [self.d, self.m])
+
     def pack_int4(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(packed, scales_and_zeros) for `torch._weight_int4pack_mm_for_cpu(x, packed, 32, scales_and_zeros)`.
 
@@ -118,6 +128,15 @@ class Q80:
         groups: their 64 weights, then their 2 scales (float16)."""
         return _chunked([self.q.view(torch.uint8), _halves(self.d)], 2)
 
+    def panel_packed(self) -> torch.Tensor:
+        """uint8 [N // 16, K // 32 * 544]: csrc/panels.h's layout, 16 output features to a panel and
+        per group: 8 blocks of 64 bytes (byte b of feature f in block j: weight 4j + b, plus 128),
+        then the 16 scales (float16)."""
+        rows, cols = self.shape
+        shifted = (self.q.to(torch.int16) + 128).to(torch.uint8)
+        q = shifted.reshape(rows // PANEL, PANEL, cols // GROUP, 8, 4).permute(0, 2, 3, 1, 4)  # [P, G, j, f, b]
+        return _panels(q, [self.d])
+
 
 Quantized = Union[Q41, Q80]
 
@@ -125,6 +144,15 @@ Quantized = Union[Q41, Q80]
 def _halves(values: torch.Tensor) -> torch.Tensor:
     """float32 [N, G] as float16 bytes [N, G * 2] (the file's scales are float16: exact)."""
     return values.to(torch.float16).contiguous().view(torch.uint8)
+
+
+def _panels(weights: torch.Tensor, scales: list[torch.Tensor]) -> torch.Tensor:
+    """Weight bytes [P, G, ...] and float32 scales [N, G] as csrc/panels.h reads them: per panel and
+    group, the weights, then each scale's 16 values (float16)."""
+    panels, groups = weights.shape[:2]
+    parts = [weights.reshape(panels, groups, -1)]
+    parts += [_halves(s).view(panels, PANEL, groups, 2).transpose(1, 2).reshape(panels, groups, -1) for s in scales]
+    return torch.cat(parts, dim=-1).reshape(panels, -1).contiguous()
 
 
 def _chunked(parts: list[torch.Tensor], groups: int) -> torch.Tensor:

@@ -13,6 +13,7 @@
 #include "quantized.h"
 #include "sampling.h"
 #include "int8.h"
+#include "panels.h"
 
 namespace storyteller {
 
@@ -50,7 +51,10 @@ struct Linear {
     if (small == 1 && x.size(0) <= small_rows) return at::_weight_int4pack_mm_for_cpu(x, *a, 32, *b);
     if (small == 2 && x.size(0) <= small_rows) return quantized_linear(x, *a, *b, c);
 #ifdef STORYTELLER_INT8
-    if (small >= 3 && x.size(0) <= small_rows) return int8_linear(x, *a, small == 3);
+    if ((small == 3 || small == 4) && x.size(0) <= small_rows) return int8_linear(x, *a, small == 3);
+#endif
+#ifdef STORYTELLER_PANELS
+    if (small >= 5 && x.size(0) <= small_rows) return panel_linear(x, *a, small == 5);
 #endif
     if (!onednn) return at::linear(x, weight);
     // Registered by torch's mkldnn code rather than ATen's own list: called through the dispatcher.
@@ -76,57 +80,76 @@ static void for_rows(int64_t rows, int64_t cols, const F& body) {
 }
 
 template <typename T>
-static void rms_norm(const T* x, const T* weight, T* out, int64_t rows, int64_t cols, float eps) {
-  for_rows(rows, cols, [&](int64_t r) {
-    const T* xr = x + r * cols;
-    float sum = 0.f;
+STORYTELLER_ROW static void rms_norm_row(const T* x, const T* weight, T* o, int64_t cols, float eps) {
+  float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < cols; ++i) sum += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
-    const float rstd = 1.f / std::sqrt(sum / cols + eps);
-    T* o = out + r * cols;
-    for (int64_t i = 0; i < cols; ++i) o[i] = static_cast<T>(static_cast<float>(xr[i]) * rstd * static_cast<float>(weight[i]));
-  });
+  for (int64_t i = 0; i < cols; ++i) sum += static_cast<float>(x[i]) * static_cast<float>(x[i]);
+  const float rstd = 1.f / std::sqrt(sum / cols + eps);
+  for (int64_t i = 0; i < cols; ++i) o[i] = static_cast<T>(static_cast<float>(x[i]) * rstd * static_cast<float>(weight[i]));
 }
 
-// Rotates each row's query and key heads in place (halves, as transformers' Llama does), then
+template <typename T>
+static void rms_norm(const T* x, const T* weight, T* out, int64_t rows, int64_t cols, float eps) {
+  for_rows(rows, cols, [&](int64_t r) { rms_norm_row(x + r * cols, weight, out + r * cols, cols, eps); });
+}
+
+// Rotates a row's query and key heads in place (halves, as transformers' Llama does), then
 // writes its keys and values to their cache slot.
+template <typename T>
+STORYTELLER_ROW static void rope_and_store_row(T* row, const T* c, const T* s, int64_t slot, T* k_cache,
+                                               T* v_cache, int64_t heads, int64_t kv_heads, int64_t dim,
+                                               int64_t slots_per_head) {
+  const int64_t half = dim / 2;
+  for (int64_t h = 0; h < heads + kv_heads; ++h) {
+    T* x = row + h * dim;
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = static_cast<float>(x[i]), b = static_cast<float>(x[i + half]);
+      x[i] = static_cast<T>(a * static_cast<float>(c[i]) - b * static_cast<float>(s[i]));
+      x[i + half] = static_cast<T>(b * static_cast<float>(c[i + half]) + a * static_cast<float>(s[i + half]));
+    }
+  }
+  for (int64_t kv = 0; kv < kv_heads; ++kv) {
+    const int64_t at = (kv * slots_per_head + slot) * dim;
+    std::copy_n(row + (heads + kv) * dim, dim, k_cache + at);
+    std::copy_n(row + (heads + kv_heads + kv) * dim, dim, v_cache + at);
+  }
+}
+
 template <typename T>
 static void rope_and_store(T* qkv, const int64_t* positions, const T* cos, const T* sin,
                            const int64_t* slots, T* k_cache, T* v_cache, int64_t rows, int64_t heads,
                            int64_t kv_heads, int64_t dim, int64_t slots_per_head) {
-  const int64_t cols = (heads + 2 * kv_heads) * dim, half = dim / 2;
+  const int64_t cols = (heads + 2 * kv_heads) * dim;
   for_rows(rows, cols, [&](int64_t r) {
-    T* row = qkv + r * cols;
-    const T* c = cos + positions[r] * dim;
-    const T* s = sin + positions[r] * dim;
-    for (int64_t h = 0; h < heads + kv_heads; ++h) {
-      T* x = row + h * dim;
-      for (int64_t i = 0; i < half; ++i) {
-        const float a = static_cast<float>(x[i]), b = static_cast<float>(x[i + half]);
-        x[i] = static_cast<T>(a * static_cast<float>(c[i]) - b * static_cast<float>(s[i]));
-        x[i + half] = static_cast<T>(b * static_cast<float>(c[i + half]) + a * static_cast<float>(s[i + half]));
-      }
-    }
-    for (int64_t kv = 0; kv < kv_heads; ++kv) {
-      const int64_t at = (kv * slots_per_head + slots[r]) * dim;
-      std::copy_n(row + (heads + kv) * dim, dim, k_cache + at);
-      std::copy_n(row + (heads + kv_heads + kv) * dim, dim, v_cache + at);
-    }
+    rope_and_store_row(qkv + r * cols, cos + positions[r] * dim, sin + positions[r] * dim, slots[r], k_cache,
+                       v_cache, heads, kv_heads, dim, slots_per_head);
   });
 }
 
 // SiLU(gate) * up, from the fused [gate | up] product.
 template <typename T>
+STORYTELLER_ROW static void silu_mul_row(const T* g, T* o, int64_t inner) {
+  const T* u = g + inner;
+  for (int64_t i = 0; i < inner; ++i) {
+    const float a = static_cast<float>(g[i]);
+    o[i] = static_cast<T>(a / (1.f + std::exp(-a)) * static_cast<float>(u[i]));
+  }
+}
+
+template <typename T>
 static void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t inner) {
-  for_rows(rows, inner, [&](int64_t r) {
-    const T* g = gate_up + r * 2 * inner;
-    const T* u = g + inner;
-    T* o = out + r * inner;
-    for (int64_t i = 0; i < inner; ++i) {
-      const float a = static_cast<float>(g[i]);
-      o[i] = static_cast<T>(a / (1.f + std::exp(-a)) * static_cast<float>(u[i]));
-    }
+  for_rows(rows, inner, [&](int64_t r) { silu_mul_row(gate_up + r * 2 * inner, out + r * inner, inner); });
+}
+
+// The decoder's row-wise steps on their own, for tests: a row's norm and rotation.
+torch::Tensor rms_norm_rows(torch::Tensor x, torch::Tensor weight, double eps) {
+  x = x.contiguous();
+  auto out = torch::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, x.scalar_type(), "rms_norm_rows", [&] {
+    rms_norm(x.data_ptr<scalar_t>(), weight.contiguous().data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.size(0),
+             x.size(1), static_cast<float>(eps));
   });
+  return out;
 }
 
 class LlamaDecoder {
@@ -204,10 +227,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     c10::optional<torch::Tensor>, int64_t>());
   m.def("quantized_linear", &quantized_linear, "x @ w.T for a Q4_1 (uint8) or Q8_0 (int8) weight (CPU)",
         py::call_guard<py::gil_scoped_release>());
+#ifdef STORYTELLER_PANELS
+  m.def("panel_linear", &panel_linear, "x @ w.T with x rounded to 8 bits per group of 32, 16 features a vector (AVX-512 VNNI)",
+        py::call_guard<py::gil_scoped_release>());
+#endif
 #ifdef STORYTELLER_INT8
   m.def("int8_linear", &int8_linear, "x @ w.T with x rounded to 8 bits per group of 32 (AVX-512 VNNI or AVX2)",
         py::call_guard<py::gil_scoped_release>());
 #endif
+  m.def("rms_norm_rows", &rms_norm_rows, "the decoder's RMS norm, row by row (tests)");
   m.def("sample_rows", &sample_rows, "a token per row from softmax(logits / temperature), by inverse CDF",
         py::call_guard<py::gil_scoped_release>());
   py::class_<LlamaDecoder>(m, "LlamaDecoder")

@@ -15,13 +15,15 @@
 #include <limits>
 #include <vector>
 
+#include "rowwise.h"
+
 namespace storyteller {
 
 constexpr int64_t SAMPLE_BLOCK = 256;
 
 template <typename T>
-static int64_t sample_row(const T* logits, int64_t V, float temperature, float u, std::vector<float>& buf,
-                          std::vector<float>& block_sums) {
+STORYTELLER_ROW static int64_t sample_row(const T* logits, int64_t V, float temperature, float u, aligned_vector<float>& buf,
+                          aligned_vector<float>& block_sums) {
   float top = -std::numeric_limits<float>::infinity();
   for (int64_t i = 0; i < V; ++i) top = std::max(top, static_cast<float>(logits[i]));
   const float inv = 1.f / temperature;
@@ -75,7 +77,7 @@ static torch::Tensor sample_rows(const torch::Tensor& logits_in, const torch::Te
     const scalar_t* l = logits.data_ptr<scalar_t>();
     int64_t* picks = out.data_ptr<int64_t>();
     at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> buf, block_sums;
+      aligned_vector<float> buf, block_sums;
       for (int64_t r = begin; r < end; ++r)
         picks[r] = sample_row(l + r * V, V, temp.data_ptr<float>()[r], u.data_ptr<float>()[r], buf, block_sums);
     });

@@ -10,7 +10,7 @@ from transformers.activations import ACT2FN
 
 from worker.continuous import attention
 from worker.continuous.attention import KVCache, StepLayout
-from worker.continuous.linear import Linear, dense_float, quantize_q4_1
+from worker.continuous.linear import EVERY_STEP, Linear, dense_float, quantize_q4_1
 
 
 class GPT2:
@@ -49,7 +49,7 @@ class GPT2:
         self.ln_f = (tensor("ln_f.weight"), tensor("ln_f.bias"))
         head = tensors.get("lm_head.weight", self.wte)
         head = quantize_q4_1(dense_float(head)) if int4_head else head
-        self.head = Linear(head, None, dtype, device, 1 << 30 if int4_head else 0, kernel, small=small)
+        self.head = Linear(head, None, dtype, device, EVERY_STEP if int4_head else 0, kernel, small=small)
 
     def _norm(self, x, weights):
         return F.layer_norm(x, x.shape[-1:], weights[0], weights[1], self.eps)

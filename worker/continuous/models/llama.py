@@ -17,7 +17,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, rotat
 
 from worker.continuous import attention
 from worker.continuous.attention import KVCache, StepLayout
-from worker.continuous.linear import Linear, dense_float, fuse, quantize_q4_1
+from worker.continuous.linear import EVERY_STEP, Linear, dense_float, fuse, quantize_q4_1
 
 
 class Llama:
@@ -65,7 +65,7 @@ class Llama:
         tied = "lm_head.weight" not in tensors
         head = tensors["model.embed_tokens.weight"] if tied else tensors["lm_head.weight"]
         head = quantize_q4_1(dense_float(head)) if int4_head else head
-        self.head = Linear(head, None, dtype, device, 1 << 30 if int4_head else int4_rows, kernel, small=small,
+        self.head = Linear(head, None, dtype, device, EVERY_STEP if int4_head else int4_rows, kernel, small=small,
                            dense=self.embed if tied else None)
 
         rotary = LlamaRotaryEmbedding(config)
