@@ -13,7 +13,6 @@ import torch
 from shared.protocol import Job, SamplingParams
 from shared.settings import Settings
 from worker.continuous import engine as continuous
-from worker.continuous import model_runner
 from worker.continuous.linear import Linear
 from worker.model_loader import load
 
@@ -93,8 +92,9 @@ def test_a_short_prompt_beside_the_decodes_runs_as_rows_of_the_cpp_decoder(engin
     ids, positions, rows_step, _, _ = runner._layout(plan)
     assert not rows_step.chunks and rows_step.decodes == len(ids) == 6 + 11
     assert rows_step.decode_lengths[6:].tolist() == list(range(1, 12))  # causal: position + 1
-    monkeypatch.setattr(model_runner, "CHUNKS_AS_ROWS", 0)
+    monkeypatch.setattr(runner, "kernel", None)  # without the C++ kernels, the chunk goes through torch
     _, _, chunk_step, _, _ = runner._layout(plan)
+    monkeypatch.undo()
     assert len(chunk_step.chunks) == 1 and chunk_step.decodes == 6
     cache = runner.cache
     before_k, before_v = cache.k.clone(), cache.v.clone()
@@ -120,16 +120,16 @@ def test_a_short_prompt_beside_the_decodes_runs_as_rows_of_the_cpp_decoder(engin
     assert len(calls) == 1
 
 
-def test_a_prompt_chunk_attending_to_much_stays_on_the_python_layers(engine, monkeypatch):
-    monkeypatch.setattr(model_runner, "CHUNKS_AS_ROWS", 1)  # any chunk attends to more than that
-    plan = _newcomer(engine, "late", 30)
+def test_a_long_prompt_chunk_runs_as_rows_of_the_cpp_decoder_too(engine):
+    """Every prompt token is a row, whatever its chunk's size or context: one numeric path."""
+    plan = _newcomer(engine, "late", 120)  # most of the tiny model's context, chunked by the budget
     _, _, step, _, _ = engine.runner._layout(plan)
-    assert step.chunks, "the newcomer's prompt is a chunk of this step"
+    assert not step.chunks and step.decodes == sum(count for _, count in plan)
     calls = []
     decoder = engine.runner.model.decoder
-    engine.runner.model.decoder = type("Spy", (), {"forward": lambda self, *a: calls.append(a)})()
+    engine.runner.model.decoder = type("Spy", (), {"forward": lambda self, *a: calls.append(a) or a[0]})()
     try:
-        engine.runner.run(plan)
+        engine.runner.logits(plan)
     finally:
         engine.runner.model.decoder = decoder
-    assert calls == []
+    assert len(calls) == 1

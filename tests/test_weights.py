@@ -6,12 +6,12 @@ blocks, transformers' GGUF loader for names, row order and config, and x @ W.T f
 from __future__ import annotations
 
 import os
-import time
 
 import gguf
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from worker.continuous.weights import Q41, Q80, _unpack_q4_1, read_gguf
@@ -330,17 +330,35 @@ def test_a_small_kernel_this_process_cannot_run_is_refused_with_the_reason(kerne
             check_small_kernel("int8", kernel)
 
 
-class _TimedKernel:
-    """A stand-in for the C++ module whose integer product takes `seconds` a layer and returns nothing."""
+class _Kernels:
+    """A stand-in for the C++ module with the given products."""
 
-    def __init__(self, seconds: float):
-        self.seconds = seconds
-
-    def int8_linear(self, x, packed, nibbles):
-        time.sleep(self.seconds)
+    def __init__(self, *names: str):
+        for name in names:
+            setattr(self, name, lambda *args: None)
 
 
-def test_the_quantized_kernel_keeps_only_the_rows_where_it_beats_the_dense_product():
-    from worker.continuous.linear import CROSSOVER_ROWS, small_kernel
-    assert small_kernel(_TimedKernel(0.0), torch.float32, "int8") == ("int8", CROSSOVER_ROWS[-1])  # always faster
-    assert small_kernel(_TimedKernel(0.05), torch.float32, "int8") == ("int8", 1)  # never: one row all the same
+def test_the_quantized_kernel_is_chosen_by_what_the_cpu_has_never_by_a_timing():
+    from worker.continuous.linear import EVERY_STEP, batch_invariant, describe, pick_kernel
+    vnni, avx2, plain = _Kernels("panel_linear", "int8_linear", "quantized_linear"), \
+        _Kernels("int8_linear", "quantized_linear"), _Kernels("quantized_linear")
+    assert [pick_kernel("auto", k) for k in (vnni, avx2, plain, None)] == ["int8", "int8", "bytes", None]
+    assert pick_kernel("dense", vnni) is None and pick_kernel("int4", vnni) == "int4"
+    assert describe("auto", EVERY_STEP, vnni) == "int8-panels-vnni" and describe("auto", EVERY_STEP, avx2) == "int8-avx2"
+    assert describe("auto", 64, vnni) == "int8-panels-vnni-to-64-rows" and describe("auto", 0, vnni) == "dense"
+    # Invariant: the integer kernel at every step; a bound on its rows hands big steps to the dense product.
+    assert batch_invariant("auto", EVERY_STEP, vnni) and batch_invariant("int8", EVERY_STEP, avx2)
+    assert not batch_invariant("auto", 64, vnni) and not batch_invariant("dense", EVERY_STEP, vnni)
+    assert not batch_invariant("auto", EVERY_STEP, None)
+
+
+def test_a_quantized_layer_run_at_every_step_keeps_no_dense_copy(kernel):
+    from worker.continuous.linear import EVERY_STEP, Linear, quantize_q4_1
+    w = quantize_q4_1(torch.randn(64, 96))
+    every = Linear(w, None, torch.float32, torch.device("cpu"), EVERY_STEP, kernel)
+    bounded = Linear(w, None, torch.float32, torch.device("cpu"), 8, kernel)
+    assert every.weight is None and bounded.weight is not None
+    x = torch.randn(300, 96)
+    exact = x @ w.dequantize().T
+    assert torch.equal(bounded(x), F.linear(x, w.dequantize()))  # past 8 rows: the dense product
+    assert (every(x) - exact).abs().max() < 0.02 * exact.abs().max()  # the activations' 8-bit rounding
