@@ -121,6 +121,10 @@ class WorkerInfo:
     host: str
     started: float
     draining: bool = False  # stopping: finishes what it holds, takes nothing new
+    # How this worker computes (kernel path, dtype, kernel build): workers with the same one write
+    # the same tokens for the same request; "+invariant" where a row's numbers do not depend on
+    # what shares its step (docs/serving.md, "Same request, same text").
+    numerics: str = ""
     stats: dict = field(default_factory=dict)  # the engine's own: KV cache usage, requests held
 
     def to_json(self) -> str:

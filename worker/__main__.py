@@ -107,7 +107,7 @@ def main(argv=None) -> None:
         id=worker_id, model=loaded.name, context_window=loaded.context_window, engine=engine.name,
         batch=engine.capacity, device=str(loaded.device), dtype=str(loaded.dtype).removeprefix("torch."),
         tokenizer_digest=model_loader.digest(files),
-        pid=os.getpid(), host=socket.gethostname(), started=clock.wall())
+        pid=os.getpid(), host=socket.gethostname(), started=clock.wall(), numerics=engine.numerics)
     worker = Worker(queue, engine, info, settings)
     worker.install_signal_handlers()
     if settings.metrics_port:

@@ -17,6 +17,7 @@ class Engine(Protocol):
     name: str
     capacity: int  # most sequences held at once
     last_batch: int  # sequences computed by the last step (for the batch-size histogram)
+    numerics: str  # the numerics fingerprint the worker announces (WorkerInfo.numerics)
 
     @property
     def busy(self) -> bool: ...

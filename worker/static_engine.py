@@ -62,6 +62,9 @@ def resumable(written: Optional[list[int]], job: Job, loaded: LoadedModel) -> Op
 class StaticEngine:
     name = "static"
 
+    # transformers' model on padded batches: a row's numbers depend on the batch's padding and size.
+    numerics = "static-transformers"
+
     def __init__(self, loaded: LoadedModel, capacity: int):
         self.loaded = loaded
         self.capacity = capacity

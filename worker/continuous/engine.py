@@ -54,6 +54,7 @@ class ContinuousEngine:
         cache = KVCache(model.layers, model.kv_heads, model.head_dim, blocks, size, loaded.dtype,
                         loaded.device)
         self.runner = ModelRunner(model, cache, size, loaded.device, kernel)
+        self.numerics = ""  # the fingerprint, set by build()
         self.last_batch = 0  # sequences computed by the last step
         self.generated = 0  # tokens written, since start
         # What a new request has cost its first step lately, in prompt tokens computed (prefix-cache
@@ -192,6 +193,31 @@ def build(loaded: LoadedModel, settings: Settings, tensors: dict, config):
     cpu = loaded.device.type == "cpu"
     kernel = kernels.build(os.path.join(settings.cache_dir, "kernels")) if cpu and settings.cache_dir else None
     linear.check_small_kernel(settings.small_kernel, kernel)
-    model = models.build(config, tensors, loaded.dtype, loaded.device, settings.int4_rows if cpu else 0,
-                         settings.int4_head, kernel, settings.small_kernel)
-    return ContinuousEngine(loaded, model, settings, kernel)
+    rows = settings.int4_rows if cpu else 0
+    model = models.build(config, tensors, loaded.dtype, loaded.device, rows, settings.int4_head, kernel,
+                         settings.small_kernel)
+    engine = ContinuousEngine(loaded, model, settings, kernel)
+    engine.numerics = numerics(model, settings, loaded, kernel)
+    log.info("numerics: %s", engine.numerics)
+    if not engine.numerics.endswith("+invariant"):
+        log.warning("a request's text may depend on the other requests in its step here (%s): seeds "
+                    "reproduce only on an idle worker; see the README for the settings that keep it",
+                    "no C++ kernels" if kernel is None else "these settings or this model's weights")
+    return engine
+
+
+def numerics(model, settings: Settings, loaded: LoadedModel, kernel) -> str:
+    """The worker's numerics fingerprint (WorkerInfo.numerics): how its products run, the dtype, the
+    kernels' build, and "+invariant" where each row's numbers are its own whatever shares its step:
+    the integer kernel at every step (linear.batch_invariant), for every quantized layer, inside
+    the C++ decoder (every token a row of it)."""
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    if loaded.device.type != "cpu" or kernel is None:
+        return f"torch-{loaded.device.type}/{dtype}"
+    layers = model.linears()
+    path = linear.describe(settings.small_kernel, settings.int4_rows, kernel)
+    if not all(layer.small for layer in layers):
+        path = "dense" if not any(layer.small for layer in layers) else path + "+dense"
+    invariant = model.rows_decoder(kernel) and all(layer.small for layer in layers) and \
+        linear.batch_invariant(settings.small_kernel, settings.int4_rows, kernel)
+    return f"{path}/{dtype}/kernels-{kernels.build_id()}" + ("+invariant" if invariant else "")

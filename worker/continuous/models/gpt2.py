@@ -51,6 +51,12 @@ class GPT2:
         head = quantize_q4_1(dense_float(head)) if int4_head else head
         self.head = Linear(head, None, dtype, device, EVERY_STEP if int4_head else 0, kernel, small=small)
 
+    def linears(self) -> list:
+        return [b[name] for b in self.blocks for name in ("qkv", "o", "fc", "proj")] + [self.head]
+
+    def rows_decoder(self, kernel) -> bool:
+        return False  # torch's norms and products, layer by layer
+
     def _norm(self, x, weights):
         return F.layer_norm(x, x.shape[-1:], weights[0], weights[1], self.eps)
 

@@ -75,6 +75,13 @@ class Llama:
         self.silu = config.hidden_act == "silu"
         self.decoder = None  # the whole decode step in C++ (kernels.cpp), made at its first use
 
+    def linears(self) -> list:
+        return [b[name] for b in self.blocks for name in ("qkv", "o", "gate_up", "down")] + [self.head]
+
+    def rows_decoder(self, kernel) -> bool:
+        """Whether every step runs in the C++ decoder (its norms, rotary and attention, row by row)."""
+        return self._fused(kernel) is not None
+
     def _fused(self, kernel):
         """The C++ decoder holding this model's weights (shared, not copied), or None if it can't run it."""
         if self.decoder is None and kernel is not None and self.silu and hasattr(kernel, "LlamaDecoder"):
