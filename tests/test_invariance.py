@@ -1,0 +1,157 @@
+"""Same request, same text: a row's numbers depend only on its own tokens and position.
+
+On the packaged SmolLM2 with the default settings (its GGUF blocks, the default dtype and kernels),
+not only on tiny random models, whose path differs: the kernel's bits for one row at every step
+size and place in the step, a prompt's cache blocks however it was chunked, and a crowd of
+requests arriving at random steps, with shared prefixes, preemption, greedy and seeded, streamed
+and not, each writing exactly what it writes alone.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from shared.protocol import Job, SamplingParams
+from shared.settings import Settings
+from worker.continuous import engine as continuous
+from worker.continuous.linear import EVERY_STEP, Linear
+from worker.continuous.weights import Q41, Q80
+from worker.model_loader import PACKAGED, load
+
+pytestmark = pytest.mark.slow
+
+WORDS = ("the dragon castle knight went over a hill and found gold under an old tree by the river "
+         "where the bard sang of night storms ships orcs and a lost crown").split()
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load(PACKAGED, dtype="auto", device="cpu", transformers_model=False)  # the worker's defaults
+
+
+def _engine(loaded, **settings):
+    return continuous.build(loaded, Settings(**settings), loaded.weights(), loaded.config)
+
+
+@pytest.fixture(scope="module")
+def alone(smollm2):
+    """What each request writes alone: an engine of its own, idle between requests, no prefix cache."""
+    engine = _engine(smollm2, prefix_caching=False)
+    cache = {}
+
+    def write(job: Job):
+        key = (tuple(job.prompt_ids), job.params.max_tokens, job.params.temperature, job.params.seed)
+        if key not in cache:
+            seq = engine.add(job)
+            while engine.busy:
+                engine.step()
+            cache[key] = (seq.output_ids, seq.text)
+        return cache[key]
+    return write
+
+
+def test_the_default_worker_is_batch_invariant_and_says_so(smollm2):
+    engine = _engine(smollm2)
+    assert engine.numerics.endswith("+invariant"), engine.numerics
+    assert all(layer.small == "int8" and layer.weight is None for layer in engine.runner.model.linears())
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_one_rows_product_has_the_same_bits_at_every_step_size_and_place(smollm2, kind):
+    """The integer kernel, as the model holds it (and the head, Q8_0), at 1-512 rows."""
+    kernel = _engine(smollm2).runner.kernel
+    g = torch.Generator().manual_seed(1)
+    rows, cols = (960, 576) if kind == "q4_1" else (64, 576)
+    if kind == "q4_1":
+        w = Q41(q=torch.randint(0, 16, (rows, cols), dtype=torch.uint8, generator=g),
+                d=torch.rand(rows, cols // 32, generator=g).half().float() / 50,
+                m=-torch.rand(rows, cols // 32, generator=g).half().float() / 10)
+    else:
+        w = Q80(q=torch.randint(-128, 128, (rows, cols), dtype=torch.int8, generator=g),
+                d=torch.rand(rows, cols // 32, generator=g).half().float() / 50)
+    layer = Linear(w, None, smollm2.dtype, torch.device("cpu"), EVERY_STEP, kernel)
+    x = torch.randn(512, cols, generator=g).to(smollm2.dtype)
+    each = torch.cat([layer(x[i:i + 1]) for i in range(512)])  # every row alone
+    for size in list(range(1, 66)) + [100, 127, 128, 129, 255, 256, 300, 511, 512]:
+        for start in (0, 512 - size, (512 - size) // 2):  # the same rows at other places in the step
+            step = layer(x[start:start + size])
+            assert torch.equal(step, each[start:start + size]), (size, start)
+
+
+def _prompt(rng: random.Random, loaded, shared: list[str], words: int) -> list[int]:
+    text = rng.choice(shared) + " " + " ".join(rng.choice(WORDS) for _ in range(words))
+    return loaded.tokenizer(text).input_ids
+
+
+def test_a_prompt_leaves_the_same_cache_blocks_however_it_was_chunked(smollm2):
+    ids = _prompt(random.Random(2), smollm2, ["Once upon a time"], 140)[:150]
+    # Two tokens: the prefill's last step writes one, and the request still holds its blocks after it.
+    job = Job(id="p", model="m", prompt_ids=ids, params=SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),
+              timeout_s=60)
+    blocks = {}
+    for chunk in (512, 64, 16, 7, 1):
+        engine = _engine(smollm2, max_batch_tokens=chunk, prefill_chunk=chunk, step_fill=chunk,
+                         prefix_caching=False, max_stretch=0)
+        engine.add(job)
+        [req] = engine.scheduler.requests()
+        while req.computed < len(ids):
+            engine.step()
+        table, cache = req.table.blocks, engine.runner.cache
+        blocks[chunk] = (torch.cat([cache.k[:, :, table], cache.v[:, :, table]])
+                         .flatten(2, 3)[:, :, :len(ids)].clone())
+    for chunk in (64, 16, 7, 1):
+        assert torch.equal(blocks[chunk], blocks[512]), chunk
+
+
+def _crowd(loaded, count: int, seed: int) -> list[tuple[int, Job]]:
+    """(arrival step, job): random prompt lengths (sharing prefixes), max_tokens and arrivals; every
+    other one seeded with top-p, a third streamed."""
+    rng = random.Random(seed)
+    shared = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 100))) for _ in range(5)]
+    jobs = []
+    for i in range(count):
+        seeded = i % 2 == 1
+        params = SamplingParams(max_tokens=rng.randint(1, 12), temperature=0.8 if seeded else 0.0,
+                                top_p=0.95 if i % 4 == 1 else 1.0, seed=1000 + i if seeded else None,
+                                ignore_eos=True)
+        jobs.append((rng.randint(0, 60), Job(id=f"r{i}", model="m", prompt_ids=_prompt(rng, loaded, shared, rng.randint(1, 60)),
+                                           params=params, timeout_s=300, stream=i % 3 == 0)))
+    return jobs
+
+
+def _write_crowd(engine, jobs):
+    pending = sorted(jobs, key=lambda item: item[0])
+    seqs, step = {}, 0
+    while pending or engine.busy:
+        while pending and pending[0][0] <= step:
+            job = pending.pop(0)[1]
+            seqs[job.id] = engine.add(job)
+        engine.step()
+        step += 1
+    return seqs
+
+
+@pytest.mark.parametrize("pool", ["roomy", "preempting"])
+def test_a_crowd_writes_what_each_request_writes_alone(smollm2, alone, pool):
+    """≥ 100 requests, greedy and seeded, streamed and not, arriving at random steps with shared
+    prefixes (prefix caching on); once with a pool small enough to force preemption."""
+    jobs = _crowd(smollm2, 104, seed=3 if pool == "roomy" else 4)
+    # 12 blocks of 16 tokens hold the longest request (~120 tokens) but not the crowd: running requests
+    # that need a block when none is free preempt the newest (untimed steps: the same schedule each run).
+    engine = _engine(smollm2, kv_blocks=12, max_stretch=0) if pool == "preempting" else _engine(smollm2)
+    seqs = _write_crowd(engine, jobs)
+    stats = engine.stats()
+    assert stats["prefix_hit_blocks"] > 0
+    if pool == "preempting":
+        assert stats["preempted"] > 0
+    differ = [job.id for _, job in jobs if (seqs[job.id].output_ids, seqs[job.id].text) != alone(job)]
+    assert not differ, f"{len(differ)} of {len(jobs)} wrote other text than alone: {differ}"
+
+
+def test_an_engine_built_again_writes_the_same_texts(smollm2, alone):
+    """A worker started again (or another of the pool, same fingerprint) computes the same bits."""
+    jobs = _crowd(smollm2, 24, seed=5)
+    seqs = _write_crowd(_engine(smollm2), jobs)
+    assert [seqs[job.id].output_ids for _, job in jobs] == [alone(job)[0] for _, job in jobs]
