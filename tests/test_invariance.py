@@ -55,7 +55,7 @@ def alone(smollm2):
 def test_the_default_worker_is_batch_invariant_and_says_so(smollm2):
     engine = _engine(smollm2)
     assert engine.numerics.endswith("+invariant"), engine.numerics
-    assert all(layer.small == "int8" and layer.weight is None for layer in engine.runner.model.linears())
+    assert all(layer.small == "int8-vnni-panels" and layer.weight is None for layer in engine.runner.model.linears())
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
@@ -155,3 +155,22 @@ def test_an_engine_built_again_writes_the_same_texts(smollm2, alone):
     jobs = _crowd(smollm2, 24, seed=5)
     seqs = _write_crowd(_engine(smollm2), jobs)
     assert [seqs[job.id].output_ids for _, job in jobs] == [alone(job)[0] for _, job in jobs]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_model_with_dense_weights_is_batch_invariant_too(dtype):
+    """SmolLM2 as a local Hugging Face directory would give it (transformers' dense weights): the
+    dense products run csrc/dense_panels.h at every step; a crowd writes what each writes alone."""
+    loaded = load(PACKAGED, dtype=dtype, device="cpu")  # transformers' model: its state dict is dense
+    engine = continuous.build(loaded, Settings(), loaded.model.state_dict(), loaded.config)
+    if not engine.numerics.endswith("+invariant"):
+        pytest.skip(f"no row-wise dense kernel for {dtype} on this CPU ({engine.numerics})")
+    assert {layer.path for layer in engine.runner.model.linears()} == {"dense-panels"}
+    jobs = _crowd(loaded, 32, seed=6)
+    seqs = _write_crowd(engine, jobs)
+    single = continuous.build(loaded, Settings(prefix_caching=False), loaded.model.state_dict(), loaded.config)
+    for _, job in jobs:
+        seq = single.add(job)
+        while single.busy:
+            single.step()
+        assert seq.output_ids == seqs[job.id].output_ids, job.id

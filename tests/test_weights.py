@@ -339,17 +339,18 @@ class _Kernels:
 
 
 def test_the_quantized_kernel_is_chosen_by_what_the_cpu_has_never_by_a_timing():
-    from worker.continuous.linear import EVERY_STEP, batch_invariant, describe, pick_kernel
+    from worker.continuous.linear import EVERY_STEP, Linear, pick_kernel, quantize_q4_1
     vnni, avx2, plain = _Kernels("panel_linear", "int8_linear", "quantized_linear"), \
         _Kernels("int8_linear", "quantized_linear"), _Kernels("quantized_linear")
     assert [pick_kernel("auto", k) for k in (vnni, avx2, plain, None)] == ["int8", "int8", "bytes", None]
     assert pick_kernel("dense", vnni) is None and pick_kernel("int4", vnni) == "int4"
-    assert describe("auto", EVERY_STEP, vnni) == "int8-panels-vnni" and describe("auto", EVERY_STEP, avx2) == "int8-avx2"
-    assert describe("auto", 64, vnni) == "int8-panels-vnni-to-64-rows" and describe("auto", 0, vnni) == "dense"
-    # Invariant: the integer kernel at every step; a bound on its rows hands big steps to the dense product.
-    assert batch_invariant("auto", EVERY_STEP, vnni) and batch_invariant("int8", EVERY_STEP, avx2)
-    assert not batch_invariant("auto", 64, vnni) and not batch_invariant("dense", EVERY_STEP, vnni)
-    assert not batch_invariant("auto", EVERY_STEP, None)
+    w, cpu = quantize_q4_1(torch.randn(32, 64)), torch.device("cpu")
+    for kernels, rows, small, path, invariant in [
+            (vnni, EVERY_STEP, "auto", "int8-vnni-panels", True), (avx2, EVERY_STEP, "auto", "int8-avx2", True),
+            (vnni, 64, "auto", "int8-vnni-panels-to-64-rows+dense", False), (vnni, 0, "auto", "dense", False),
+            (vnni, EVERY_STEP, "dense", "dense", False), (None, EVERY_STEP, "auto", "dense", False)]:
+        layer = Linear(w, None, torch.float32, cpu, rows, kernels, small=small)
+        assert (layer.path, layer.invariant) == (path, invariant), (rows, small)
 
 
 def test_a_quantized_layer_run_at_every_step_keeps_no_dense_copy(kernel):

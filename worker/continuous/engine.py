@@ -209,15 +209,12 @@ def build(loaded: LoadedModel, settings: Settings, tensors: dict, config):
 def numerics(model, settings: Settings, loaded: LoadedModel, kernel) -> str:
     """The worker's numerics fingerprint (WorkerInfo.numerics): how its products run, the dtype, the
     kernels' build, and "+invariant" where each row's numbers are its own whatever shares its step:
-    the integer kernel at every step (linear.batch_invariant), for every quantized layer, inside
-    the C++ decoder (every token a row of it)."""
+    an invariant kernel at every step for every layer (linear.INVARIANT), inside the C++ decoder
+    (every token a row of it: its norms, rotary and attention)."""
     dtype = str(loaded.dtype).removeprefix("torch.")
     if loaded.device.type != "cpu" or kernel is None:
         return f"torch-{loaded.device.type}/{dtype}"
     layers = model.linears()
-    path = linear.describe(settings.small_kernel, settings.int4_rows, kernel)
-    if not all(layer.small for layer in layers):
-        path = "dense" if not any(layer.small for layer in layers) else path + "+dense"
-    invariant = model.rows_decoder(kernel) and all(layer.small for layer in layers) and \
-        linear.batch_invariant(settings.small_kernel, settings.int4_rows, kernel)
-    return f"{path}/{dtype}/kernels-{kernels.build_id()}" + ("+invariant" if invariant else "")
+    paths = "+".join(sorted({layer.path for layer in layers}))
+    invariant = model.rows_decoder(kernel) and all(layer.invariant for layer in layers)
+    return f"{paths}/{dtype}/kernels-{kernels.build_id()}" + ("+invariant" if invariant else "")

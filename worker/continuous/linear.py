@@ -34,23 +34,38 @@ EVERY_STEP = -1  # --int4-rows: the quantized kernel at every step size (the def
 SMALL_KERNELS = ("auto", "int8", "int4", "bytes", "dense")
 
 
+EVERY_ROW = 1 << 62  # small_rows of a layer whose one kernel runs every step
+# The kernels whose product gives a row the same bits whatever shares its step (each output summed
+# in one order by the same instructions at any number of rows: tests/test_invariance.py).
+INVARIANT = ("int8-vnni-panels", "int8-avx2", "dense-panels")
+
+
 class Linear:
     def __init__(self, weight: Union[torch.Tensor, Quantized], bias: Optional[torch.Tensor], dtype,
                  device, small_rows: int = 0, kernel=None, dense: Optional[torch.Tensor] = None,
                  small: str = "auto"):
         """`kernel`: the engine's C++ module (kernels.build), or None. `dense`: the weight already
         dequantized in `dtype` on `device` (a tied embedding's table), shared instead of made again.
-        `small_rows`: steps of up to this many rows take the quantized kernel `small`
-        (SMALL_KERNELS; "auto": `pick_kernel`'s), EVERY_STEP all of them, 0 none."""
+        `small_rows`: steps of up to this many rows take the kernel `small` (SMALL_KERNELS; "auto":
+        `pick_kernel`'s; for a dense weight, "auto" at every step is csrc/dense_panels.h where this
+        CPU runs it), EVERY_STEP all of them, 0 none: the dense product."""
         quantized = isinstance(weight, (Q41, Q80))
-        self.small = pick_kernel(small, kernel) if quantized and small_rows and device.type == "cpu" else None
-        if self.small == "int4" and not isinstance(weight, Q41):
-            self.small = None  # torch's int4 kernel takes 4-bit values only
-        self.small_rows = (1 << 62 if small_rows == EVERY_STEP else small_rows) if self.small else 0
+        cpu = device.type == "cpu" and kernel is not None
+        self.small = None  # the kernel of steps up to small_rows (a name of INVARIANT, "bytes", "int4")
+        if quantized and small_rows and (cpu or small == "int4"):
+            self.small = pick_kernel(small, kernel)
+            if self.small == "int8":
+                self.small = "int8-vnni-panels" if hasattr(kernel, "panel_linear") else "int8-avx2"
+            if self.small == "int4" and not isinstance(weight, Q41):
+                self.small = None  # torch's int4 kernel takes 4-bit values only
+        elif not quantized and small_rows == EVERY_STEP and small == "auto" and cpu and \
+                _dense_panels_take(kernel, dtype, weight.shape):
+            self.small = "dense-panels"
+        self.small_rows = (EVERY_ROW if small_rows == EVERY_STEP else small_rows) if self.small else 0
         self.bias = None if bias is None else bias.to(device=device, dtype=dtype)
         self.onednn = False
         self.weight = None  # the dense weight, only where some step needs it
-        if self.small_rows < 1 << 62:
+        if self.small_rows < EVERY_ROW:
             self.weight = dense if dense is not None else \
                 (weight.dequantize() if quantized else weight).to(device=device, dtype=dtype)
             self.onednn = device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
@@ -62,25 +77,42 @@ class Linear:
         self.out_features = weight.shape[0]
         self.q4_1 = isinstance(weight, Q41)
         self.kernel = kernel
-        self.packed = self.scales_zeros = None  # torch's int4 layout, or the file's bytes for "int8"
+        self.packed = self.scales_zeros = None  # the weight as the small steps' kernel reads it
         self.q = self.d = self.m = None  # the file's own: a byte per weight, a scale and minimum per group
-        self.panels = self.small == "int8" and hasattr(kernel, "panel_linear")  # csrc/panels.h's layout
         if self.small == "int4":
             self.packed, self.scales_zeros = weight.pack_int4(dtype)
-        elif self.small == "int8":
-            self.packed = weight.panel_packed() if self.panels else weight.int8_packed()
+        elif self.small == "int8-vnni-panels":
+            self.packed = weight.panel_packed()
+        elif self.small == "int8-avx2":
+            self.packed = weight.int8_packed()
         elif self.small == "bytes":  # Q4_1 two weights to a byte, Q8_0 one
             self.q = weight.nibbles() if isinstance(weight, Q41) else weight.q.contiguous()
             self.d, self.m = weight.d.contiguous(), weight.m
+        elif self.small == "dense-panels":
+            self.packed = pack_dense_panels((dense if dense is not None else weight).to(device=device, dtype=dtype))
+
+    @property
+    def path(self) -> str:
+        """How this layer's products run (the worker's numerics fingerprint is made of these)."""
+        if not self.small:
+            return "dense"
+        return self.small if self.small_rows >= EVERY_ROW else f"{self.small}-to-{self.small_rows}-rows+dense"
+
+    @property
+    def invariant(self) -> bool:
+        """Whether a row's product is the same whatever else its step holds."""
+        return self.small in INVARIANT and self.small_rows >= EVERY_ROW
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.small_rows:
             if self.small == "int4":
                 out = torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
-            elif self.panels:
+            elif self.small == "int8-vnni-panels":
                 out = self.kernel.panel_linear(x, self.packed, self.q4_1)
-            elif self.small == "int8":
+            elif self.small == "int8-avx2":
                 out = self.kernel.int8_linear(x, self.packed, self.q4_1)
+            elif self.small == "dense-panels":
+                out = self.kernel.dense_panel_linear(x, self.packed)
             else:
                 out = self.kernel.quantized_linear(x, self.q, self.d, self.m)
             return out if self.bias is None else out + self.bias
@@ -90,12 +122,32 @@ class Linear:
 
     def for_kernel(self):
         """This layer as the C++ decoder holds it (sharing these tensors, not copying them)."""
-        int8 = (5 if self.q4_1 else 6) if self.panels else (3 if self.q4_1 else 4)
         small = {"int4": (1, self.packed, self.scales_zeros, None),
                  "bytes": (2, self.q, self.d, self.m),
-                 "int8": (int8, self.packed, None, None)}.get(self.small, (0, None, None, None))
+                 "int8-avx2": (3 if self.q4_1 else 4, self.packed, None, None),
+                 "int8-vnni-panels": (5 if self.q4_1 else 6, self.packed, None, None),
+                 "dense-panels": (7, self.packed, None, None)}.get(self.small, (0, None, None, None))
         weight = self.weight if self.weight is not None else torch.empty(0)
         return self.kernel.Linear(weight, self.onednn, small[0], *small[1:], self.small_rows)
+
+
+def _dense_panels_take(kernel, dtype, shape) -> bool:
+    """Whether csrc/dense_panels.h runs this dense weight here (its dtype on this CPU; 16 features a panel)."""
+    if not hasattr(kernel, "dense_panel_linear"):
+        return False
+    name = str(dtype).removeprefix("torch.")
+    return name in kernel.dense_panel_dtypes() and shape[0] % 16 == 0 and (name == "float32" or shape[1] % 2 == 0)
+
+
+def pack_dense_panels(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] as csrc/dense_panels.h reads it: per panel of 16 output features, k by k (bfloat16:
+    pairs of k) across the 16: [N // 16, K * 16]."""
+    rows, cols = weight.shape
+    if weight.dtype == torch.bfloat16:
+        panels = weight.reshape(rows // 16, 16, cols // 2, 2).permute(0, 2, 1, 3)
+    else:
+        panels = weight.reshape(rows // 16, 16, cols).permute(0, 2, 1)
+    return panels.reshape(rows // 16, cols * 16).contiguous()
 
 
 def pick_kernel(name: str, kernel) -> Optional[str]:
@@ -106,23 +158,6 @@ def pick_kernel(name: str, kernel) -> Optional[str]:
             return None
         return "int8" if hasattr(kernel, "int8_linear") or hasattr(kernel, "panel_linear") else "bytes"
     return None if name == "dense" else name
-
-
-def describe(name: str, rows: int, kernel) -> str:
-    """What --small-kernel `name` and --int4-rows `rows` run here, and whether a row's numbers then
-    depend on its step (logged at start, and part of the worker's numerics fingerprint)."""
-    picked = pick_kernel(name, kernel) if rows else None
-    path = {"int8": "int8-panels-vnni" if hasattr(kernel, "panel_linear") else "int8-avx2",
-            "bytes": "bytes", "int4": "int4-torch", None: "dense"}[picked]
-    if picked and rows != EVERY_STEP:
-        path += f"-to-{rows}-rows"
-    return path
-
-
-def batch_invariant(name: str, rows: int, kernel) -> bool:
-    """Whether the products of these settings give a row the same bits whatever shares its step:
-    one of this engine's kernels at every step (tests/test_invariance.py checks them)."""
-    return rows == EVERY_STEP and pick_kernel(name, kernel) == "int8"
 
 
 def check_small_kernel(name: str, kernel) -> None:

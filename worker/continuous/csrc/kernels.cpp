@@ -14,6 +14,7 @@
 #include "sampling.h"
 #include "int8.h"
 #include "panels.h"
+#include "dense_panels.h"
 
 namespace storyteller {
 
@@ -37,9 +38,10 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 }
 
 // A linear layer as worker/continuous/linear.py holds it: a dense weight (oneDNN-packed bf16, or
-// plain) and, for steps of up to `small_rows` rows, a quantized copy: torch's int4 layout
-// (small == 1: packed, scales_zeros), or the file's bytes (q, d, m) for the float kernel
-// (small == 2), or packed for the integer one (int8.h: small == 3 Q4_1, 4 Q8_0).
+// plain; empty where no step uses it) and, for steps of up to `small_rows` rows, another form:
+// torch's int4 layout (small == 1: packed, scales_zeros), the file's bytes (q, d, m) for the float
+// kernel (2), packed for the integer one (int8.h: 3 Q4_1, 4 Q8_0; panels.h: 5 Q4_1, 6 Q8_0), or
+// the dense weight in panels (dense_panels.h: 7).
 struct Linear {
   torch::Tensor weight;
   bool onednn;
@@ -54,7 +56,10 @@ struct Linear {
     if ((small == 3 || small == 4) && x.size(0) <= small_rows) return int8_linear(x, *a, small == 3);
 #endif
 #ifdef STORYTELLER_PANELS
-    if (small >= 5 && x.size(0) <= small_rows) return panel_linear(x, *a, small == 5);
+    if ((small == 5 || small == 6) && x.size(0) <= small_rows) return panel_linear(x, *a, small == 5);
+#endif
+#ifdef STORYTELLER_DENSE_PANELS
+    if (small == 7 && x.size(0) <= small_rows) return dense_panel_linear(x, *a);
 #endif
     if (!onednn) return at::linear(x, weight);
     // Registered by torch's mkldnn code rather than ATen's own list: called through the dispatcher.
@@ -230,6 +235,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #ifdef STORYTELLER_PANELS
   m.def("panel_linear", &panel_linear, "x @ w.T with x rounded to 8 bits per group of 32, 16 features a vector (AVX-512 VNNI)",
         py::call_guard<py::gil_scoped_release>());
+#endif
+#ifdef STORYTELLER_DENSE_PANELS
+  m.def("dense_panel_linear", &dense_panel_linear, "x @ w.T for a dense weight in panels, summed over k in order (AVX-512)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("dense_panel_dtypes", &dense_panel_dtypes, "the dtypes dense_panel_linear takes on this CPU");
 #endif
 #ifdef STORYTELLER_INT8
   m.def("int8_linear", &int8_linear, "x @ w.T with x rounded to 8 bits per group of 32 (AVX-512 VNNI or AVX2)",
