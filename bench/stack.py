@@ -81,6 +81,8 @@ def stack(env: dict[str, str], model: str = "smollm2", logs: Path = Path("bench/
     `taskset -c pin[i % len(pin)]`, and `worker_env[i]` adds to its own environment (a metrics port).
     Logs go to <logs>/<label>-{redis,api,worker}.log (worker2, worker3... for more). Raises
     StackError if it does not come up, or if not every worker announces itself.
+    `env` may name CHECKOUT, another checkout of this project (`git worktree add /tmp/before
+    REV`) whose workers run instead of this one's: today's main against a change, in one run.
     """
     redis_port, api_port = free_port(), free_port()
     redis_url = f"redis://127.0.0.1:{redis_port}/0"
@@ -94,7 +96,7 @@ def stack(env: dict[str, str], model: str = "smollm2", logs: Path = Path("bench/
     commands = {"redis": [redis_server, "--port", str(redis_port), "--save", "",
                           "--appendonly", "no"],
                 "api": [sys.executable, "-m", "api"]}
-    envs = {}
+    envs, checkout = {}, env.get("CHECKOUT")
     for i in range(workers):
         name = "worker" if i == 0 else f"worker{i + 1}"
         taskset = ["taskset", "-c", pin[i % len(pin)]] if pin else []
@@ -106,7 +108,8 @@ def stack(env: dict[str, str], model: str = "smollm2", logs: Path = Path("bench/
         for name, command in commands.items():
             with open(log_paths[name], "w") as log:  # the child keeps its own copy of the fd
                 processes[name] = subprocess.Popen(command, env=envs.get(name, full_env), stdout=log,
-                                                   stderr=subprocess.STDOUT)
+                                                   stderr=subprocess.STDOUT,
+                                                   cwd=checkout if name.startswith("worker") else None)
             time.sleep(0.3)
         url = f"http://127.0.0.1:{api_port}/v1"
         try:

@@ -23,7 +23,9 @@ from worker.model_loader import load
 def engine(request, tiny_model_dirs):
     dtype = "bfloat16" if request.param == "bfloat16" else "float32"
     loaded = load(tiny_model_dirs["llama"], dtype=dtype, device="cpu")
-    engine = continuous.build(loaded, Settings(block_size=4, kv_blocks=256, max_batch_tokens=64, batch=0),
+    # (onednn: the dense product at every step, --int4-rows 0, instead of csrc/dense_panels.h)
+    rows = 0 if request.param == "onednn" else Settings.int4_rows
+    engine = continuous.build(loaded, Settings(block_size=4, kv_blocks=256, max_batch_tokens=64, batch=0, int4_rows=rows),
                               loaded.model.state_dict(), loaded.model.config)
     if engine.runner.kernel is None:
         pytest.fail("the C++ kernels did not build (g++ and ninja come with the test setup)")

@@ -12,6 +12,8 @@
 #include "rowwise.h"
 
 #include <algorithm>
+#include <atomic>
+#include <utility>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -34,45 +36,38 @@ static inline void to_float(const c10::Half* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
+// A prompt's consecutive rows (one request, positions p, p + 1, ...) that share one pass over its
+// blocks: each block's keys and values are turned to floats once for all of them, not once a row.
+constexpr int64_t QUERY_TILE = 16;
+
 // Scratch space of one thread, kept between calls (a step calls this once a layer).
 struct DecodeBuffers {
   aligned_vector<float> query, acc, scores, total, block_f;
 };
 
-// One (row, KV head): the query heads that share the KV head, over the row's `length` tokens,
-// block by block in order (the same sums whatever else the step holds: rowwise.h).
-template <typename T, int64_t DIM>
-STORYTELLER_ROW static void decode_item(const T* q_row, const T* k, const T* v, const int64_t* table,
-                                        int64_t length, T* out_row, int64_t group, int64_t kv, int64_t blocks,
-                                        int64_t block_size, int64_t dim_at_run_time, float scale,
-                                        DecodeBuffers& buf) {
+// The steps of one row's attention, each a function of its own (rowwise.h), so that a row computes
+// the same whether it comes alone (a decode) or in a tile of a prompt's rows: scores of a block of
+// keys for the row's query heads, the softmax over its `length` scores, the weighted values of a
+// block added up. The blocks come in order, so every row's sums run in one order.
+template <int64_t DIM>
+STORYTELLER_ROW static void block_scores(const float* query, const float* keys, int64_t n, int64_t group,
+                                         int64_t dim_at_run_time, float* scores, int64_t stride) {
   const int64_t dim = DIM > 0 ? DIM : dim_at_run_time;
-  auto &query = buf.query, &acc = buf.acc, &scores = buf.scores, &total = buf.total, &block_f = buf.block_f;
-  query.resize(group * dim);
-  acc.resize(group * dim);
-  total.resize(group);
-  block_f.resize(block_size * dim);
-  to_float(q_row, query.data(), group * dim);
-  for (int64_t i = 0; i < group * dim; ++i) query[i] *= scale;
-  scores.resize(group * length);
-  // Scores, a block at a time: one conversion of the block's keys serves every query head.
-  for (int64_t start = 0; start < length; start += block_size) {
-    const int64_t n = std::min(block_size, length - start);
-    const int64_t block = table[start / block_size];
-    to_float(k + (kv * blocks + block) * block_size * dim, block_f.data(), n * dim);
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qg = query.data() + g * dim;
-      for (int64_t t = 0; t < n; ++t) {
-        const float* kt = block_f.data() + t * dim;
-        float s = 0.f;
+  for (int64_t g = 0; g < group; ++g) {
+    const float* qg = query + g * dim;
+    for (int64_t t = 0; t < n; ++t) {
+      const float* kt = keys + t * dim;
+      float s = 0.f;
 #pragma omp simd reduction(+ : s)
-        for (int64_t d = 0; d < dim; ++d) s += qg[d] * kt[d];
-        scores[g * length + start + t] = s;
-      }
+      for (int64_t d = 0; d < dim; ++d) s += qg[d] * kt[d];
+      scores[g * stride + t] = s;
     }
   }
+}
+
+STORYTELLER_ROW static void softmax(float* scores, int64_t length, int64_t group, int64_t stride, float* total) {
   for (int64_t g = 0; g < group; ++g) {
-    float* sg = scores.data() + g * length;
+    float* sg = scores + g * stride;
     float top = -std::numeric_limits<float>::infinity();
     for (int64_t t = 0; t < length; ++t) top = std::max(top, sg[t]);
     float sum = 0.f;
@@ -83,26 +78,68 @@ STORYTELLER_ROW static void decode_item(const T* q_row, const T* k, const T* v, 
     }
     total[g] = sum;
   }
-  std::fill(acc.begin(), acc.end(), 0.f);
-  for (int64_t start = 0; start < length; start += block_size) {
-    const int64_t n = std::min(block_size, length - start);
-    const int64_t block = table[start / block_size];
-    to_float(v + (kv * blocks + block) * block_size * dim, block_f.data(), n * dim);
-    for (int64_t g = 0; g < group; ++g) {
-      float* ag = acc.data() + g * dim;
-      const float* sg = scores.data() + g * length + start;
-      for (int64_t t = 0; t < n; ++t) {
-        const float w = sg[t];
-        const float* vt = block_f.data() + t * dim;
+}
+
+template <int64_t DIM>
+STORYTELLER_ROW static void block_values(const float* weights, const float* values, int64_t n, int64_t group,
+                                         int64_t dim_at_run_time, float* acc, int64_t stride) {
+  const int64_t dim = DIM > 0 ? DIM : dim_at_run_time;
+  for (int64_t g = 0; g < group; ++g) {
+    float* ag = acc + g * dim;
+    const float* wg = weights + g * stride;
+    for (int64_t t = 0; t < n; ++t) {
+      const float w = wg[t];
+      const float* vt = values + t * dim;
 #pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) ag[d] += w * vt[d];
-      }
+      for (int64_t d = 0; d < dim; ++d) ag[d] += w * vt[d];
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    const float inv = 1.f / total[g];
-    for (int64_t d = 0; d < dim; ++d) out_row[g * dim + d] = static_cast<T>(acc[g * dim + d] * inv);
+}
+
+// `rows` rows of one request at consecutive positions (lengths[0], lengths[0] + 1, ...) and one KV
+// head: the query heads that share it, block by block through the request's table.
+template <typename T, int64_t DIM>
+static void attend_tile(const T* q, int64_t q_stride, const T* k, const T* v, const int64_t* table,
+                        const int64_t* lengths, int64_t rows, T* out, int64_t out_stride, int64_t group,
+                        int64_t kv, int64_t blocks, int64_t block_size, int64_t dim_at_run_time, float scale,
+                        DecodeBuffers& buf) {
+  const int64_t dim = DIM > 0 ? DIM : dim_at_run_time, width = group * dim;
+  // A row's scores: group x stride floats, the stride a whole number of 64-byte lines, so that every
+  // row's scores start on one (rowwise.h: where a buffer starts can change a vectorised sum).
+  const int64_t longest = lengths[rows - 1], stride = (longest + 15) / 16 * 16;
+  buf.query.resize(rows * width);
+  buf.acc.assign(rows * width, 0.f);
+  buf.total.resize(rows * group);
+  buf.scores.resize(rows * group * stride);
+  buf.block_f.resize(block_size * dim);
+  for (int64_t r = 0; r < rows; ++r) {
+    to_float(q + r * q_stride, buf.query.data() + r * width, width);
+    for (int64_t i = 0; i < width; ++i) buf.query[r * width + i] *= scale;
   }
+  for (int64_t start = 0; start < longest; start += block_size) {
+    const int64_t block = table[start / block_size];
+    to_float(k + (kv * blocks + block) * block_size * dim, buf.block_f.data(), std::min(block_size, longest - start) * dim);
+    for (int64_t r = 0; r < rows; ++r)
+      if (lengths[r] > start)
+        block_scores<DIM>(buf.query.data() + r * width, buf.block_f.data(), std::min(block_size, lengths[r] - start),
+                          group, dim, buf.scores.data() + r * group * stride + start, stride);
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    softmax(buf.scores.data() + r * group * stride, lengths[r], group, stride, buf.total.data() + r * group);
+  for (int64_t start = 0; start < longest; start += block_size) {
+    const int64_t block = table[start / block_size];
+    to_float(v + (kv * blocks + block) * block_size * dim, buf.block_f.data(), std::min(block_size, longest - start) * dim);
+    for (int64_t r = 0; r < rows; ++r)
+      if (lengths[r] > start)
+        block_values<DIM>(buf.scores.data() + r * group * stride + start, buf.block_f.data(),
+                          std::min(block_size, lengths[r] - start), group, dim, buf.acc.data() + r * width, stride);
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < group; ++g) {
+      const float inv = 1.f / buf.total[r * group + g];
+      for (int64_t d = 0; d < dim; ++d)
+        out[r * out_stride + g * dim + d] = static_cast<T>(buf.acc[r * width + g * dim + d] * inv);
+    }
 }
 
 // q: rows of `heads * dim`, `q_stride` elements apart (the queries may sit inside a fused QKV
@@ -115,12 +152,28 @@ void decode(const T* q, int64_t q_stride, const T* k, const T* v, const int64_t*
             int64_t blocks, int64_t block_size, int64_t dim_at_run_time, int64_t width, float scale) {
   const int64_t dim = DIM > 0 ? DIM : dim_at_run_time;
   const int64_t group = heads / kv_heads;
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // Tiles: runs of rows with the same blocks at consecutive positions (a prompt chunk's), the rest alone.
+  std::vector<std::pair<int64_t, int64_t>> tiles;  // (first row, rows)
+  for (int64_t r = 0; r < rows;) {
+    int64_t n = 1;
+    while (r + n < rows && n < QUERY_TILE && lengths[r + n] == lengths[r] + n &&
+           std::equal(tables + r * width, tables + (r + 1) * width, tables + (r + n) * width))
+      ++n;
+    tiles.emplace_back(r, n);
+    r += n;
+  }
+  // Items taken one at a time by whichever thread is free (a prompt's tile costs many decodes):
+  // which thread computes an item does not change its bits.
+  const int64_t items = static_cast<int64_t>(tiles.size()) * kv_heads;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     thread_local DecodeBuffers buf;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t row = item / kv_heads, kv = item % kv_heads;
-      decode_item<T, DIM>(q + row * q_stride + kv * group * dim, k, v, tables + row * width, lengths[row],
-                          out + (row * heads + kv * group) * dim, group, kv, blocks, block_size, dim, scale, buf);
+    for (int64_t item = next++; item < items; item = next++) {
+      const auto [row, n] = tiles[item / kv_heads];
+      const int64_t kv = item % kv_heads;
+      attend_tile<T, DIM>(q + row * q_stride + kv * group * dim, q_stride, k, v, tables + row * width, lengths + row,
+                          n, out + (row * heads + kv * group) * dim, heads * dim, group, kv, blocks, block_size,
+                          dim, scale, buf);
     }
   });
 }
