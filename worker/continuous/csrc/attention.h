@@ -11,6 +11,8 @@
 
 #include "rowwise.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <atomic>
 #include <utility>
@@ -96,6 +98,18 @@ STORYTELLER_ROW static void block_values(const float* weights, const float* valu
   }
 }
 
+// Asks for the next block of the row's keys (or values) while this one is done: a row's blocks lie
+// anywhere in the pool, where the hardware's prefetcher, which follows addresses in order, cannot
+// guess them (at 64 decodes the cache's reads were most of attention's time, stalled on loads).
+template <typename T>
+static inline void prefetch_next(const T* cache, const int64_t* table, int64_t start, int64_t longest, int64_t kv,
+                                 int64_t blocks, int64_t block_size, int64_t dim) {
+  if (start + block_size >= longest) return;
+  const char* next = reinterpret_cast<const char*>(cache + (kv * blocks + table[start / block_size + 1]) * block_size * dim);
+  const int64_t bytes = std::min(block_size, longest - start - block_size) * dim * static_cast<int64_t>(sizeof(T));
+  for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(next + at, _MM_HINT_T0);
+}
+
 // `rows` rows of one request at consecutive positions (lengths[0], lengths[0] + 1, ...) and one KV
 // head: the query heads that share it, block by block through the request's table.
 template <typename T, int64_t DIM>
@@ -118,6 +132,7 @@ static void attend_tile(const T* q, int64_t q_stride, const T* k, const T* v, co
   }
   for (int64_t start = 0; start < longest; start += block_size) {
     const int64_t block = table[start / block_size];
+    prefetch_next(k, table, start, longest, kv, blocks, block_size, dim);
     to_float(k + (kv * blocks + block) * block_size * dim, buf.block_f.data(), std::min(block_size, longest - start) * dim);
     for (int64_t r = 0; r < rows; ++r)
       if (lengths[r] > start)
@@ -128,6 +143,7 @@ static void attend_tile(const T* q, int64_t q_stride, const T* k, const T* v, co
     softmax(buf.scores.data() + r * group * stride, lengths[r], group, stride, buf.total.data() + r * group);
   for (int64_t start = 0; start < longest; start += block_size) {
     const int64_t block = table[start / block_size];
+    prefetch_next(v, table, start, longest, kv, blocks, block_size, dim);
     to_float(v + (kv * blocks + block) * block_size * dim, buf.block_f.data(), std::min(block_size, longest - start) * dim);
     for (int64_t r = 0; r < rows; ++r)
       if (lengths[r] > start)
