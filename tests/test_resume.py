@@ -347,3 +347,18 @@ def test_a_record_that_completes_its_job_is_answered_without_a_step(fake_redis, 
     assert [m.type for _, m in _heard(pubsub)] == ["text", "final"]
     assert not fake_redis.exists(keys.written(MODEL, job.id), keys.processing(MODEL, "w1"))
     assert REGISTRY.get_sample_value(names.RESUMED_TOKENS, {"model": MODEL}) == resumed + 4
+
+
+def test_the_admission_guess_counts_a_resumed_jobs_written_tokens_as_prompt(loaded):
+    """free_slots guesses what a job still in Redis will cost the next step from what those admitted
+    lately cost theirs: a resumed job's written tokens are prefilled with its prompt, so they count,
+    as the same tokens would in a prompt."""
+    def admitted(prompt: list[int], written: list[int]):
+        engine = make_engine(loaded)
+        engine.add(Job(id="job-0", model=MODEL, prompt_ids=prompt, timeout_s=60,
+                       params=SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)), written)
+        engine.step()  # admitted, its prompt and record computed in one chunk
+        return engine.free_slots(), engine._start_cost
+
+    resumed, as_prompt = admitted([21, 45, 33], [5] * 9), admitted([21, 45, 33] + [5] * 9, [])
+    assert resumed == as_prompt and as_prompt[1] == 12

@@ -116,14 +116,15 @@ class ContinuousEngine:
         return budget - prefills  # ongoing prompts go before new ones, under both policies
 
     def _learn_start_cost(self) -> None:
-        """What the requests admitted since the last call computed of their prompts: their length,
-        less the prefix-cache hits their admission found."""
+        """What the requests admitted since the last call computed of their prompts: their length
+        (a resumed job's written tokens included: they are prefilled with its prompt), less the
+        prefix-cache hits their admission found."""
         running = self.scheduler.running
         new = [r for r in running if r not in self._admitted and not r.preemptions]
         self._admitted = set(running)
         hits, self._hits = self.blocks.hits - self._hits, self.blocks.hits
         if new:
-            prompts = sum(len(r.seq.prompt_ids) for r in new)
+            prompts = sum(len(r.seq.prompt_ids) + r.seq.resumed for r in new)
             hits = min(hits, prompts - len(new))  # the last token of each is always computed
             cost, share = (prompts - hits) / len(new), hits / prompts
             if self._start_cost:  # lately weighs as much as all before: prompts change with the game
