@@ -18,12 +18,12 @@ Hash tags (Redis Cluster). A Lua script, a MULTI and a blocking move may only to
 slot in a cluster, and the slot of a key is that of its {hash tag}, the part between its first { and
 the next }. So everything about one model carries the model's tag, storyteller:{MODEL}:...: its
 queues, wake list, drain counters, tokenizer, its workers' processing lists, heartbeats and
-registry, and every per-job key (lease, attempts, written, answer, cancel, and the result channel, which
-sharded pub/sub places by slot too). A job belongs to one model and a worker serves one model, so
-whoever names such a key has the model at hand, and each of the worker's scripts (worker/job_queue.py)
-and the API's admission script (api/admission.py) stays within one slot, deriving the per-job names
-it builds inside from prefixes that carry the same tag. The cost: one model's traffic lives on one
-node; a cluster spreads the load of several models, not of one.
+registry, and every per-job key (lease, attempts, written, written-by, answer, cancel, and the result
+channel, which sharded pub/sub places by slot too). A job belongs to one model and a worker serves
+one model, so whoever names such a key has the model at hand, and each of the worker's scripts
+(worker/job_queue.py) and the API's admission script (api/admission.py) stays within one slot,
+deriving the per-job names it builds inside from prefixes that carry the same tag. The cost: one
+model's traffic lives on one node; a cluster spreads the load of several models, not of one.
 
 Keys used only outside scripts need no tag (the worker set, the models, the rate counters), except
 where a MULTI spans two keys: a batch's record and its results, a file's record and its content,
@@ -88,7 +88,8 @@ def drained_prefix(model: str) -> str:
 
 
 def model_workers(model: str) -> str:
-    """Hash, worker id -> 1: the model's registered workers, in the model's slot. The script that puts
+    """Hash, worker id -> its numerics fingerprint ('' unknown): the model's registered workers, in the
+    model's slot (the take reads the fingerprints: worker/job_queue.py). The script that puts
     a dead worker's jobs back strikes it off here in the same step, and the worker's heartbeat adds
     it again in one MULTI with its heartbeat key: a worker finds it was struck off (WORKERS, global,
     is only for finding workers, and a script cannot touch it in a cluster)."""
@@ -118,6 +119,13 @@ def written(model: str, job_id: str) -> str:
     list. A worker that takes the job back after its worker died continues from them instead of
     writing the job again (worker/job_queue.py). Kept by a requeue, deleted with the job's answer."""
     return f"{model_prefix(model)}written:{job_id}"
+
+
+def written_by(model: str, job_id: str) -> str:
+    """The numerics fingerprint of the worker that died holding the job, set as the job is put back
+    and expiring worker/job_queue.PREFER_SAME_NUMERICS_S later: until then a worker of another
+    fingerprint passes the job over while a live worker of this one is registered."""
+    return f"{model_prefix(model)}written-by:{job_id}"
 
 
 def processing(model: str, worker_id: str) -> str:

@@ -38,3 +38,6 @@ REQUEUED_JOBS = f"{PREFIX}_requeued_jobs_total"        # jobs of dead workers pu
 # Tokens a requeued job's new worker took from its record (keys.written) instead of decoding again.
 RESUMED_TOKENS = f"{PREFIX}_resumed_tokens_total"
 CRASHED_JOBS = f"{PREFIX}_crashed_jobs_total"          # jobs failed after --max-attempts
+# Requeued jobs a worker passed over for a moment, for a live worker of their dead worker's numerics
+# fingerprint (worker/job_queue.PREFER_SAME_NUMERICS_S): each once per worker.
+LEFT_FOR_SAME_NUMERICS = f"{PREFIX}_jobs_left_for_same_numerics_total"

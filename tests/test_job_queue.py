@@ -129,11 +129,16 @@ def test_jobs_of_a_dead_worker_go_back_to_the_front_of_the_queue(client):
     assert not client.hexists(keys.WORKERS, "dead")
 
 
-def _die(queue: JobQueue, client) -> None:
-    """The worker behind `queue` dies holding its jobs: its heartbeat expires."""
+def _announce(queue: JobQueue, ttl_s: float) -> None:
+    """A heartbeat from the worker behind `queue`, for `ttl_s`."""
     info = WorkerInfo(id=queue.worker_id, model=MODEL, context_window=128, engine="continuous", batch=4,
                       device="cpu", dtype="float32", tokenizer_digest="x", pid=1, host="h", started=0.0)
-    queue.heartbeat(info, ttl_s=0.05)
+    queue.heartbeat(info, ttl_s=ttl_s)
+
+
+def _die(queue: JobQueue, client) -> None:
+    """The worker behind `queue` dies holding its jobs: its heartbeat expires."""
+    _announce(queue, ttl_s=0.05)
     time.sleep(0.1)
 
 

@@ -248,6 +248,7 @@ def test_the_continuous_engines_numbers_reach_the_workers_metrics(tiny_llama):
     assert value(samples, names.REQUEUED_JOBS, model="other") == 3
     assert has(samples, names.REQUEUED_JOBS, model="tiny-continuous")
     assert has(samples, names.CRASHED_JOBS, model="tiny-continuous")
+    assert has(samples, names.LEFT_FOR_SAME_NUMERICS, model="tiny-continuous")
 
 
 def test_the_static_engine_reports_what_it_has(tiny_llama):

@@ -101,7 +101,7 @@ def main(argv=None) -> None:
     gc.freeze()
     files = model_loader.tokenizer_files(loaded.tokenizer)
     worker_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    queue = JobQueue(client, worker_id, loaded.name, settings.answer_ttl_s, settings.max_attempts)
+    queue = JobQueue(client, worker_id, loaded.name, settings.answer_ttl_s, settings.max_attempts, engine.numerics)
     queue.store_tokenizer(files)
     info = WorkerInfo(
         id=worker_id, model=loaded.name, context_window=loaded.context_window, engine=engine.name,
@@ -112,7 +112,7 @@ def main(argv=None) -> None:
     worker.install_signal_handlers()
     if settings.metrics_port:
         metrics.serve(settings.metrics_port, metrics.EngineCollector(info.model, engine, queue.requeued,
-                                                                     queue.crashed))
+                                                                     queue.crashed, queue.left_for_numerics))
     logging.info("serving %s (%s, %s, context %d) on the %s engine, up to %d requests at once; "
                  "ready %.1f s after start", info.model, info.device, info.dtype, info.context_window,
                  engine.name, engine.capacity, time.monotonic() - started)

@@ -56,6 +56,17 @@ LEASE_TTL_S = 24 * 3600
 # each, written again) at a round trip per second (docs/scaling.md).
 RECORD_INTERVAL_S = 1.0
 _RECORD = re.compile(rb"(?:\d+,)*")  # keys.written: "id,id,...,"
+# How long a dead worker's job waits, after it is put back, for a live worker of the dead one's
+# numerics fingerprint (a worker of another passes over it meanwhile; an idle one looks again within
+# its block, worker.IDLE_BLOCK_S, after that). A preference, never a condition: resuming from the
+# written tokens is right on any worker, but one of the same fingerprint goes on with the numbers
+# that wrote them, so the job's text is what it would have been undisturbed. Short, as it is time a
+# job may wait while a worker of another fingerprint had room; measured in Redis' clock (the stamp's
+# expiry). 0: no preference.
+PREFER_SAME_NUMERICS_S = 2.0
+# At most this many such jobs passed over in one take: beyond them, the take stops (a bound on the
+# script's work while a large worker's jobs wait for their fingerprint).
+PASS_OVER_AT_MOST = 64
 # The finish reason of a sequence whose job another worker now holds: never published again.
 LOST = "lost"
 
@@ -64,72 +75,112 @@ LOST = "lost"
 # it) is taken only alone (ARGV[2] = 1: this worker holds nothing) and then nothing with it, so
 # that if it kills this worker too, it alone is to blame; otherwise taking stops before it, so
 # priority order holds.
+# A job put back after its worker died is passed over, for PREFER_SAME_NUMERICS_S after the requeue
+# (its keys.written_by expires then, in Redis' clock), by a worker whose numerics fingerprint
+# (ARGV[11]) is not the dead worker's, while a live worker of that fingerprint is registered
+# (KEYS: the registry, whose values are the fingerprints; ARGV[13] the heartbeats' prefix): that one
+# continues it with the numbers that wrote it. It keeps its place; the take goes on behind it, up to
+# ARGV[14] jobs passed over, and wakes nobody for those (an idle worker looks again after its block).
+# Only a job that has cost a worker (its attempts key) is looked at for it.
 # Each job taken gets a lease naming this worker (ARGV[8]), and comes with its record of written
 # tokens (ARGV[10] the prefix; '' none), should an earlier worker have died writing it.
 # A worker takes only what it will start
 # (worker.py): jobs it leaves behind wake an idle worker, as the API's push did, so none sleeps
 # through its block while work waits (one token, if none is there already).
-# KEYS: the model's queues, most urgent first, then the processing list, then the wake list.
-# Returns {1 if the one job taken must run alone, the jobs, their records}.
+# KEYS: the model's queues, most urgent first, then the processing list, the wake list and the
+# model's worker registry. Returns {1 if the one job taken must run alone, the jobs, their records,
+# {id, fingerprint, ...} of those passed over}.
 _TAKE = """
-local nq = #KEYS - 2
-local processing = KEYS[nq + 1]
+local nq = #KEYS - 3
+local processing, registry = KEYS[nq + 1], KEYS[nq + 3]
 local limit, alone_ok, last_retry = tonumber(ARGV[1]), ARGV[2] == '1', tonumber(ARGV[3])
-local taken, isolated, written = {}, 0, {}
-local function take(queue, raw)
-  redis.call('LMOVE', queue, processing, 'LEFT', 'RIGHT')
+local mine, most_passed = ARGV[11], tonumber(ARGV[14])
+local taken, isolated, written, passed, skipped = {}, 0, {}, {}, {}
+local npassed = 0
+local live = {}  -- fingerprint -> a live worker has it
+local function alive(numerics)
+  if live[numerics] == nil then
+    live[numerics] = false
+    local workers = redis.call('HGETALL', registry)
+    for i = 1, #workers, 2 do
+      if workers[i + 1] == numerics and redis.call('EXISTS', ARGV[13] .. workers[i]) == 1 then
+        live[numerics] = true
+        break
+      end
+    end
+  end
+  return live[numerics]
+end
+local function take(queue, raw, at)
+  if at == 0 then
+    redis.call('LMOVE', queue, processing, 'LEFT', 'RIGHT')
+  else  -- behind jobs passed over
+    redis.call('LREM', queue, 1, raw)
+    redis.call('RPUSH', processing, raw)
+  end
   local id = string.match(raw, '^{"id":"([^"]*)"')
   if id then redis.call('SET', ARGV[7] .. id, ARGV[8], 'EX', tonumber(ARGV[9])) end
   taken[#taken + 1] = raw
   written[#taken] = id and redis.call('GET', ARGV[10] .. id) or ''
 end
 for i = 1, nq do
-  while #taken < limit do
-    local raw = redis.call('LINDEX', KEYS[i], 0)
+  local at = 0  -- jobs passed over at the head of this queue
+  while #taken < limit and npassed < most_passed do
+    local raw = redis.call('LINDEX', KEYS[i], at)
     if not raw then break end
     local id = string.match(raw, '^{"id":"([^"]*)"') or ''
     local tries = tonumber(redis.call('GET', ARGV[4] .. id) or '0')
-    if last_retry > 0 and tries >= last_retry then
+    local by = tries > 0 and redis.call('GET', ARGV[12] .. id)
+    if by and by ~= mine and alive(by) then
+      passed[#passed + 1] = id
+      passed[#passed + 1] = by
+      npassed, at = npassed + 1, at + 1
+    elseif last_retry > 0 and tries >= last_retry then
       if alone_ok and #taken == 0 then
-        take(KEYS[i], raw)
+        take(KEYS[i], raw, at)
         isolated = 1
       end
       limit = 0  -- nothing more now: it runs alone, or waits for a worker that holds nothing
       break
+    else
+      take(KEYS[i], raw, at)
     end
-    take(KEYS[i], raw)
   end
+  skipped[i] = at
 end
 if #taken > 0 then
   local drained = ARGV[5] .. redis.call('TIME')[1]
   redis.call('INCRBY', drained, #taken)
   redis.call('EXPIRE', drained, tonumber(ARGV[6]))
 end
-if redis.call('LLEN', KEYS[nq + 2]) == 0 then
+if redis.call('LLEN', KEYS[nq + 2]) == 0 and npassed < most_passed then
   for i = 1, nq do
-    if redis.call('LLEN', KEYS[i]) > 0 then
+    if redis.call('LLEN', KEYS[i]) > (skipped[i] or 0) then
       redis.call('LPUSH', KEYS[nq + 2], '1')
       break
     end
   end
 end
-return {isolated, taken, written}
+return {isolated, taken, written, passed}
 """
 
 # Put a dead worker's jobs back at the front of their queues, newest first so the oldest ends up
 # first in line, counting the death for each; a job that has already had its ARGV[2] retries is
 # answered with ARGV[1] (a Failure) instead, and its record of written tokens goes with it (ARGV[12]
-# the prefix); one put back keeps its record, for the worker that takes it next. Either way the job's
+# the prefix); one put back keeps its record, for the worker that takes it next, and is stamped with
+# the dead worker's numerics fingerprint (its value in the registry) for ARGV[13] ms (ARGV[14] the
+# prefix: keys.written_by), which the take prefers for it. Either way the job's
 # lease goes: should the worker only have been cut off, it publishes nothing more for it. The
 # heartbeat is checked here, not before, and the worker struck off in the same step: a worker whose
 # heartbeat comes back meanwhile keeps its jobs.
 # KEYS: the worker's processing list, the model's wake list, the worker's heartbeat, the model's
 # worker registry. ARGV: the failure, max attempts, the key prefixes, the worker's id, the publishing
-# command (PUBLISH, or SPUBLISH in a cluster), the record prefix.
+# command (PUBLISH, or SPUBLISH in a cluster), the record prefix, the stamp's life and prefix.
 # Returns {-1 if the worker is alive, else jobs requeued; jobs failed}.
 _REQUEUE = """
 if redis.call('EXISTS', KEYS[3]) == 1 then return {-1, 0} end
 local requeued, failed = 0, 0
+local numerics = redis.call('HGET', KEYS[4], ARGV[10]) or ''
 while true do
   local raw = redis.call('RPOP', KEYS[1])
   if not raw then break end
@@ -145,6 +196,9 @@ while true do
     failed = failed + 1
   else
     redis.call('LPUSH', ARGV[8] .. priority, raw)
+    if numerics ~= '' and tonumber(ARGV[13]) > 0 then
+      redis.call('SET', ARGV[14] .. id, numerics, 'PX', tonumber(ARGV[13]))
+    end
     requeued = requeued + 1
   end
 end
@@ -248,10 +302,13 @@ class Published(NamedTuple):
 
 class JobQueue:
     def __init__(self, client: redis.Redis, worker_id: str, model: str, answer_ttl_s: int = 300,
-                 max_attempts: int = 2):
+                 max_attempts: int = 2, numerics: str = ""):
+        """`numerics`: the worker's numerics fingerprint (WorkerInfo.numerics), registered with its
+        heartbeat: a dead worker's jobs are left a moment for a live worker of the same one."""
         self.redis = client
         self.worker_id = worker_id
         self.model = model
+        self.numerics = numerics
         self.answer_ttl_s = answer_ttl_s
         self.max_attempts = max_attempts
         self.isolated: set[str] = set()  # held jobs that run alone: their earlier worker died
@@ -275,6 +332,10 @@ class JobQueue:
         # Dead workers' jobs this worker put back / failed after max_attempts, by model (/metrics).
         self.requeued: Counter[str] = Counter()
         self.crashed: Counter[str] = Counter()
+        # Requeued jobs this worker passed over for a live worker of their dead worker's fingerprint,
+        # by model (/metrics), each counted (and logged) once: job id -> None, the latest few.
+        self.left_for_numerics: Counter[str] = Counter()
+        self._passed: dict[str, None] = {}
         self._tokenizer_files: dict[str, bytes] = {}
         self.clock = RedisClock()  # synced by each heartbeat
 
@@ -305,14 +366,29 @@ class JobQueue:
 
     def _take_now(self, limit: int, alone_ok: bool) -> list[tuple[bytes, bytes]]:
         """(job JSON, its record of written tokens) for each job taken."""
-        isolated, raws, records = self._take_script(
-            keys=[*keys.queues(self.model), self._processing, self._wake],
+        isolated, raws, records, passed = self._take_script(
+            keys=[*keys.queues(self.model), self._processing, self._wake, keys.model_workers(self.model)],
             args=[limit, int(alone_ok), self.max_attempts, keys.attempts(self.model, ""),
                   keys.drained_prefix(self.model), DRAINED_TTL_S, keys.lease(self.model, ""), self.worker_id,
-                  LEASE_TTL_S, keys.written(self.model, "")])
+                  LEASE_TTL_S, keys.written(self.model, ""), self.numerics, keys.written_by(self.model, ""),
+                  keys.heartbeat(self.model, ""), PASS_OVER_AT_MOST])
         if isolated:
             self.isolated.add(_job_id(raws[0]))
+        for job_id, numerics in zip(map(_text, passed[::2]), map(_text, passed[1::2])):
+            self._passed_over(job_id, numerics)
         return list(zip(raws, records))
+
+    def _passed_over(self, job_id: str, numerics: str) -> None:
+        """Counted and logged once a job, though a busy worker's takes pass it over every poll."""
+        if job_id in self._passed:
+            return
+        self._passed[job_id] = None
+        if len(self._passed) > 1000:
+            del self._passed[next(iter(self._passed))]
+        self.left_for_numerics[self.model] += 1
+        log.info("job %s: left for up to %g s to a live worker of numerics %s, the fingerprint of the "
+                 "worker that died writing it (this one's: %s)", job_id, PREFER_SAME_NUMERICS_S, numerics,
+                 self.numerics or "none")
 
     def adopt_stranded(self, held: Iterable[str], room: int, alone_ok: bool = True) -> list[Job]:
         """Jobs that a take moved into this worker's processing list, leased to it, without its reply
@@ -502,7 +578,8 @@ class JobQueue:
         # One transaction, in the model's slot: `requeue_dead_workers` sees this worker either struck
         # off or alive again, never registered without a heartbeat.
         pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(keys.model_workers(self.model), self.worker_id, 1)
+        # Its fingerprint as the value: what a take reads to prefer a worker of a dead one's.
+        pipe.hset(keys.model_workers(self.model), self.worker_id, self.numerics)
         pipe.set(keys.heartbeat(self.model, self.worker_id), info.to_json(), px=int(ttl_s * 1000))
         pipe.exists(keys.tokenizer(self.model))
         added, _, tokenizer_stored = pipe.execute()
@@ -546,7 +623,8 @@ class JobQueue:
                       keys.model_workers(model)],
                 args=[crashed, self.max_attempts, keys.attempts(model, ""), keys.answer(model, ""),
                       keys.channel(model, ""), self.answer_ttl_s, ATTEMPTS_TTL_S, keys.queue_prefix(model),
-                      keys.lease(model, ""), worker_id, self._publish_command, keys.written(model, "")])
+                      keys.lease(model, ""), worker_id, self._publish_command, keys.written(model, ""),
+                      int(PREFER_SAME_NUMERICS_S * 1000), keys.written_by(model, "")])
             if requeued < 0:  # its heartbeat came back since
                 continue
             self.redis.hdel(keys.WORKERS, worker_id)  # struck off in the model's slot: off the list too

@@ -81,9 +81,10 @@ class EngineCollector:
                 ("prefix_hit_blocks", names.PREFIX_CACHE_HITS, "Prompt KV blocks found in the cache"),
                 ("generated", names.GENERATED_TOKENS, "Tokens the engine wrote")]
 
-    def __init__(self, model: str, engine: Engine, requeued: Tally, crashed: Tally):
+    def __init__(self, model: str, engine: Engine, requeued: Tally, crashed: Tally, left: Tally = None):
         self.model, self.engine = model, engine
-        self.requeued, self.crashed = requeued, crashed  # by model: JobQueue's tallies
+        # By model: JobQueue's tallies.
+        self.requeued, self.crashed, self.left = requeued, crashed, Tally() if left is None else left
 
     def collect(self):
         stats = self.engine.stats()
@@ -96,7 +97,9 @@ class EngineCollector:
         # Put back or failed by this worker, for whichever worker died: labelled by the jobs' model.
         # Its own model always, at 0 too, so that a rate over it is 0 rather than nothing.
         for tally, name, help_text in [(self.requeued, names.REQUEUED_JOBS, "Jobs of dead workers put back"),
-                                       (self.crashed, names.CRASHED_JOBS, "Jobs failed after --max-attempts")]:
+                                       (self.crashed, names.CRASHED_JOBS, "Jobs failed after --max-attempts"),
+                                       (self.left, names.LEFT_FOR_SAME_NUMERICS, "Requeued jobs passed over for "
+                                        "a moment, for a live worker of their dead worker's numerics")]:
             family = CounterMetricFamily(name, help_text, labels=["model"])
             for model in sorted({self.model, *tally}):
                 family.add_metric([model], tally[model])
