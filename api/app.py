@@ -95,7 +95,8 @@ def create_app(settings: Optional[Settings] = None, client: Optional[redis.Redis
             by_model.setdefault(worker.model, []).append(worker)
         data = [{"id": model, "object": "model", "created": int(min(w.started for w in workers)),
                  "owned_by": "storyteller", "context_window": workers[0].context_window,
-                 "workers": len(workers)} for model, workers in sorted(by_model.items())]
+                 "workers": len(workers), "numerics": sorted({w.numerics for w in workers if w.numerics})}
+                for model, workers in sorted(by_model.items())]
         return jsonify({"object": "list", "data": data})
 
     @app.post("/v1/completions")

@@ -202,7 +202,11 @@ def _answer_schemas() -> dict:
                                "created": {"type": "integer"}, "owned_by": {"type": "string"},
                                "context_window": {"type": "integer", "minimum": 1,
                                                   "description": "prompt and answer tokens together"},
-                               "workers": count}}}}},
+                               "workers": count,
+                               "numerics": {"type": "array", "items": {"type": "string"}, "description":
+                                            "the live workers' numerics fingerprints: workers of one "
+                                            "write the same tokens for the same request; '+invariant' "
+                                            "where they do not depend on the other requests in a step"}}}}}},
         "Health": {
             "type": "object", "required": ["status", "workers", "models"],
             "properties": {"status": {"type": "string"}, "workers": count,

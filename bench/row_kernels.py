@@ -66,6 +66,14 @@ def candidates(layers: list, kernel) -> dict:
     return ways
 
 
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def time_ms(run, xs, repeats: int) -> float:
     run(xs)
     samples = []
@@ -106,7 +114,7 @@ def main(argv=None) -> None:
     kernel = kernels.build(str(Path("~/.cache/storyteller/kernels").expanduser()))
     ways = candidates(smollm2_layers(), kernel)
     gen = torch.Generator().manual_seed(0)
-    results = {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+    results = {"cpu": cpu_name(), "threads": torch.get_num_threads(),
                "rows": args.rows, "ms": {name: [] for name in ways},
                "invariant": {name: invariant for name, (invariant, _) in ways.items()}}
     print(f"{'rows':>5} " + " ".join(f"{name[:22]:>24}" for name in ways))

@@ -101,6 +101,9 @@ def test_health_and_models(stack, client):
     listed = {m.id: m for m in client.models.list()}
     assert MODEL in listed
     assert listed[MODEL].model_extra["context_window"] == CONTEXT
+    # The worker's numerics fingerprint: its products' kernel, the dtype, the kernels' build.
+    [numerics] = listed[MODEL].model_extra["numerics"]
+    assert "/float32/kernels-" in numerics, numerics
 
 
 def test_completion_has_openai_shape(client):
