@@ -40,6 +40,12 @@ def start(args: list[str], log_dir: Path, name: str, **env) -> subprocess.Popen:
     return proc
 
 
+def default_worker(redis_url: str, log_dir: Path, name: str, *flags: str, **env) -> subprocess.Popen:
+    """The worker a new user gets: no --model, no --dtype (the packaged SmolLM2 GGUF, the default
+    dtype and kernels); `flags` only for what does not touch its numbers (a metrics port)."""
+    return start(["worker", *flags], log_dir, name, REDIS_URL=redis_url, **env)
+
+
 def stop(proc: subprocess.Popen, timeout: float = 15) -> int:
     """SIGTERM, then SIGKILL if it does not exit in time; returns the exit status."""
     if proc.poll() is None:

@@ -2,6 +2,9 @@
 to the queue with their records of written tokens, and the other worker continues them. Every
 stream, greedy and seeded, ends whole with exactly the text it writes undisturbed, and the
 survivor's metrics show that it did not decode the written part again.
+
+Two pools: tiny-Llama workers in float32, and (slow) two default workers, as a new user starts them:
+the packaged SmolLM2 GGUF with the default dtype and kernels.
 """
 from __future__ import annotations
 
@@ -10,38 +13,59 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, NamedTuple
 
 import pytest
 
 from serve import free_port
 from shared import keys
 from shared import metrics as names
-from tests.processes import logs, make_client, stop, wait_until
+from tests.processes import default_worker, logs, make_client, stop, wait_until
 from tests.test_metrics import scrape, value
 from tests.test_reliability import MODEL, _api, _worker, redis_alone  # noqa: F401 (a fixture)
+from worker.model_loader import PACKAGED_NAME
 
 pytestmark = pytest.mark.timeout(240)
 
-STREAMS, MAX_TOKENS = 16, 48
+STREAMS = 16
 STEP_DELAY_S = "0.05"  # ~2.5 s a stream: the kill lands well inside every one
+KILL_AFTER = 8  # pieces of text every stream has had by the kill
 
 
-def _request(i: int) -> dict:
+class Pool(NamedTuple):
+    model: str
+    max_tokens: int
+    start: Callable  # (server, log dir, name, metrics port) -> the worker's process
+    load_s: float  # how long its workers may take to start
+
+
+@pytest.fixture(params=["tiny-llama", pytest.param("smollm2", marks=pytest.mark.slow)])
+def pool(request, tiny_model_dirs) -> Pool:
+    if request.param == "tiny-llama":
+        return Pool(MODEL, 48, lambda server, log_dir, name, port: _worker(
+            tiny_model_dirs["llama"], server, log_dir, name, "--metrics-port", str(port), STEP_DELAY_S=STEP_DELAY_S),
+            load_s=90)
+    request.getfixturevalue("kernel")  # built once, before two workers would each build it
+    return Pool(PACKAGED_NAME, 40, lambda server, log_dir, name, port: default_worker(
+        server.url, log_dir, name, "--metrics-port", str(port), STEP_DELAY_S=STEP_DELAY_S), load_s=180)
+
+
+def _request(pool: Pool, i: int) -> dict:
     sampled = dict(temperature=0.8, top_p=0.95, seed=1000 + i) if i % 2 else dict(temperature=0)
-    return dict(model=MODEL, prompt=f"Player {i} asks the storyteller for a tale", max_tokens=MAX_TOKENS,
+    return dict(model=pool.model, prompt=f"Player {i} asks the storyteller for a tale", max_tokens=pool.max_tokens,
                 stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}, **sampled)
 
 
 class Stream:
     """One streamed completion read in a thread: its text so far, how it ended."""
 
-    def __init__(self, client, i: int):
+    def __init__(self, client, request: dict):
         self.text, self.chunks, self.finish, self.usage = "", 0, None, None
-        self.thread = threading.Thread(target=self._read, args=(client, i), daemon=True)
+        self.thread = threading.Thread(target=self._read, args=(client, request), daemon=True)
         self.thread.start()
 
-    def _read(self, client, i: int) -> None:
-        for chunk in client.completions.create(**_request(i)):
+    def _read(self, client, request: dict) -> None:
+        for chunk in client.completions.create(**request):
             if chunk.usage:
                 self.usage = chunk.usage.completion_tokens
             if chunk.choices:
@@ -50,33 +74,35 @@ class Stream:
                 self.finish = chunk.choices[0].finish_reason or self.finish
 
 
-def _holding(client) -> dict[int, int]:
-    """pid -> how many jobs each live worker holds."""
+def holding(client, model: str) -> dict[int, int]:
+    """pid -> how many jobs each live worker of `model` holds."""
     held = {}
     for worker_id in [i.decode() for i in client.hkeys(keys.WORKERS)]:
-        beat = client.get(keys.heartbeat(MODEL, worker_id))
+        beat = client.get(keys.heartbeat(model, worker_id))
         if beat:
-            held[json.loads(beat)["pid"]] = client.llen(keys.processing(MODEL, worker_id))
+            held[json.loads(beat)["pid"]] = client.llen(keys.processing(model, worker_id))
     return held
 
 
-def test_a_worker_killed_mid_stream_its_jobs_resume_on_the_other(redis_alone, tiny_model_dirs, tmp_path):
+def test_a_worker_killed_mid_stream_its_jobs_resume_on_the_other(pool, redis_alone, tmp_path):
     port, api = _api(redis_alone, tmp_path, "api")
     metrics_ports = [free_port(), free_port()]
-    workers = [_worker(tiny_model_dirs["llama"], redis_alone, tmp_path, f"worker{i}", "--metrics-port",
-                       str(p), STEP_DELAY_S=STEP_DELAY_S) for i, p in enumerate(metrics_ports)]
+    workers = [pool.start(redis_alone, tmp_path, f"worker{i}", p) for i, p in enumerate(metrics_ports)]
     procs = [api, *workers]
     try:
-        wait_until(lambda: len(_holding(redis_alone.client())) == 2, procs, "two workers")
+        wait_until(lambda: len(holding(redis_alone.client(), pool.model)) == 2, procs, "two workers",
+                   timeout=pool.load_s)
         client = make_client(port)
-        with ThreadPoolExecutor(STREAMS) as pool:  # undisturbed: what each stream writes
-            undisturbed = list(pool.map(lambda i: "".join(
-                c.choices[0].text for c in client.completions.create(**_request(i)) if c.choices), range(STREAMS)))
+        with ThreadPoolExecutor(STREAMS) as crowd:  # undisturbed: what each stream writes, as a crowd
+            undisturbed = list(crowd.map(lambda i: "".join(
+                c.choices[0].text for c in client.completions.create(**_request(pool, i)) if c.choices),
+                range(STREAMS)))
         before = [scrape(f"http://127.0.0.1:{p}/metrics") for p in metrics_ports]
 
-        streams = [Stream(client, i) for i in range(STREAMS)]
-        wait_until(lambda: all(s.chunks for s in streams), procs, "every stream's first text", timeout=30)
-        held = _holding(redis_alone.client())
+        streams = [Stream(client, _request(pool, i)) for i in range(STREAMS)]
+        wait_until(lambda: all(s.chunks >= KILL_AFTER for s in streams), procs, "every stream's first texts",
+                   timeout=30)
+        held = holding(redis_alone.client(), pool.model)
         victim = max(workers, key=lambda w: held.get(w.pid, 0))
         victim.send_signal(signal.SIGKILL)  # no drain: its jobs stay in its processing list
         killed_at = time.monotonic()
@@ -92,13 +118,11 @@ def test_a_worker_killed_mid_stream_its_jobs_resume_on_the_other(redis_alone, ti
     assert victim.returncode == -signal.SIGKILL
     assert held[victim.pid] > 0 and time.monotonic() - killed_at < 60
     assert [s.text for s in streams] == undisturbed, logs(survivor)
-    assert all(s.finish == "length" and s.usage == MAX_TOKENS for s in streams)
+    assert all(s.finish == "length" and s.usage == pool.max_tokens for s in streams)
     # The survivor wrote every token of the crowd but the ones it resumed: the written part of each
     # job it took back was computed as prompt, not decoded again.
-    resumed = value(after, names.RESUMED_TOKENS, model=MODEL) - value(before[survivor_index], names.RESUMED_TOKENS,
-                                                                       model=MODEL)
-    generated = value(after, names.GENERATED_TOKENS, model=MODEL) - value(before[survivor_index],
-                                                                          names.GENERATED_TOKENS, model=MODEL)
-    assert resumed >= held[victim.pid], "each job taken back had sent text, so had a record"
-    assert generated + resumed == STREAMS * MAX_TOKENS
+    resumed, generated = (value(after, name, model=pool.model) - value(before[survivor_index], name, model=pool.model)
+                          for name in (names.RESUMED_TOKENS, names.GENERATED_TOKENS))
+    assert resumed >= KILL_AFTER * held[victim.pid], "each job taken back had sent text, so had a record"
+    assert generated + resumed == STREAMS * pool.max_tokens
     assert "resumes after the" in logs(survivor)
