@@ -89,10 +89,10 @@ def drained_prefix(model: str) -> str:
 
 def model_workers(model: str) -> str:
     """Hash, worker id -> its numerics fingerprint ('' unknown): the model's registered workers, in the
-    model's slot (the take reads the fingerprints: worker/job_queue.py). The script that puts
-    a dead worker's jobs back strikes it off here in the same step, and the worker's heartbeat adds
-    it again in one MULTI with its heartbeat key: a worker finds it was struck off (WORKERS, global,
-    is only for finding workers, and a script cannot touch it in a cluster)."""
+    model's slot. The script that puts a dead worker's jobs back strikes it off here in the same
+    step (and stamps its fingerprint on them: written_by), and the worker's heartbeat adds it again
+    in one MULTI with its heartbeat key: a worker finds it was struck off (WORKERS, global, is only
+    for finding workers, and a script cannot touch it in a cluster)."""
     return f"{model_prefix(model)}workers"
 
 
@@ -124,8 +124,16 @@ def written(model: str, job_id: str) -> str:
 def written_by(model: str, job_id: str) -> str:
     """The numerics fingerprint of the worker that died holding the job, set as the job is put back
     and expiring worker/job_queue.PREFER_SAME_NUMERICS_S later: until then a worker of another
-    fingerprint passes the job over while a live worker of this one is registered."""
+    fingerprint passes the job over while a worker of this one is live (live_numerics)."""
     return f"{model_prefix(model)}written-by:{job_id}"
+
+
+def live_numerics(model: str, numerics: str) -> str:
+    """Exists while a worker of this numerics fingerprint that takes jobs (not draining) has a live
+    heartbeat: each one's heartbeat sets it, with its TTL (the pool's HEARTBEAT_TTL_S: where workers
+    have different ones, the last beat's decides, which may end a preference early, never hold a
+    job longer). What the take checks before it leaves a requeued job to such a worker (written_by)."""
+    return f"{model_prefix(model)}live-numerics:{numerics}"
 
 
 def processing(model: str, worker_id: str) -> str:

@@ -196,7 +196,8 @@ def test_models_spread_over_a_clusters_primaries_and_every_request_is_answered(c
                 keys.wake(model), keys.processing(model, worker_id), keys.heartbeat(model, worker_id),
                 keys.model_workers(model), keys.tokenizer(model), keys.lease(model, "j"), keys.answer(model, "j"),
                 keys.cancel(model, "j"), keys.attempts(model, "j"), keys.channel(model, "j"),
-                keys.written(model, "j"), keys.written_by(model, "j"), keys.drained_prefix(model) + "1"]
+                keys.written(model, "j"), keys.written_by(model, "j"), keys.live_numerics(model, "x"),
+                keys.drained_prefix(model) + "1"]
             assert len({any_node.execute_command("CLUSTER KEYSLOT", k) for k in named}) == 1, model
             # Asked directly (no cluster client), the home node has them; another would answer MOVED.
             home = homes[model]

@@ -129,10 +129,11 @@ def test_jobs_of_a_dead_worker_go_back_to_the_front_of_the_queue(client):
     assert not client.hexists(keys.WORKERS, "dead")
 
 
-def _announce(queue: JobQueue, ttl_s: float) -> None:
+def _announce(queue: JobQueue, ttl_s: float, draining: bool = False) -> None:
     """A heartbeat from the worker behind `queue`, for `ttl_s`."""
     info = WorkerInfo(id=queue.worker_id, model=MODEL, context_window=128, engine="continuous", batch=4,
-                      device="cpu", dtype="float32", tokenizer_digest="x", pid=1, host="h", started=0.0)
+                      device="cpu", dtype="float32", tokenizer_digest="x", pid=1, host="h", started=0.0,
+                      draining=draining)
     queue.heartbeat(info, ttl_s=ttl_s)
 
 

@@ -1,6 +1,6 @@
 """A dead worker's job goes preferably to a worker of the same numerics fingerprint: a worker of
-another passes it over for PREFER_SAME_NUMERICS_S after it was put back, and only while a live
-worker of that fingerprint is registered; then anyone takes it. The job keeps its place, and the
+another passes it over for PREFER_SAME_NUMERICS_S after it was put back, and only while a worker
+of that fingerprint is live and taking jobs; then anyone takes it. The job keeps its place, and the
 priority and last-retry rules hold. On fakeredis and a real redis-server.
 """
 from __future__ import annotations
@@ -68,10 +68,11 @@ def test_after_its_time_any_worker_takes_it_first_in_line(client):
     assert _ids(other.take(limit=4, wait_s=0, block_s=0)) == ["job-0", "job-2"]
 
 
-def test_without_a_live_worker_of_its_numerics_it_is_not_passed_over(client):
+def test_without_a_live_worker_of_its_numerics_that_takes_jobs_it_is_not_passed_over(client):
     _push(client, 0)
     _dead_holding(client, "A", 1)
     _die(JobQueue(client, "stale", MODEL, numerics="A"), client)  # registered, its heartbeat gone
+    _announce(JobQueue(client, "draining", MODEL, numerics="A"), ttl_s=60, draining=True)  # takes nothing
     other = _live(client, "other", "B")
     assert _ids(other.take(limit=4, wait_s=0, block_s=0)) == ["job-0"]
     assert other.left_for_numerics[MODEL] == 0
@@ -100,6 +101,7 @@ def test_priority_and_the_last_retry_still_hold(client):
         queue.max_attempts = 1
     _push(client, 3)
     _dead_holding(client, "A", 1)
+    _announce(same, ttl_s=60)  # its next heartbeat (the dead one's last had the fingerprint's expire sooner)
     _push(client, 4)
     assert _ids(other.take(limit=4, wait_s=0, block_s=0, alone_ok=True)) == ["job-4"]
     assert same.take(limit=4, wait_s=0, block_s=0, alone_ok=False) == []

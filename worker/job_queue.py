@@ -66,7 +66,7 @@ _RECORD = re.compile(rb"(?:\d+,)*")  # keys.written: "id,id,...,"
 PREFER_SAME_NUMERICS_S = 2.0
 # At most this many such jobs passed over in one take: beyond them, the take stops (a bound on the
 # script's work while a large worker's jobs wait for their fingerprint).
-PASS_OVER_AT_MOST = 64
+PASS_OVER_AT_MOST = 16
 # The finish reason of a sequence whose job another worker now holds: never published again.
 LOST = "lost"
 
@@ -77,38 +77,29 @@ LOST = "lost"
 # priority order holds.
 # A job put back after its worker died is passed over, for PREFER_SAME_NUMERICS_S after the requeue
 # (its keys.written_by expires then, in Redis' clock), by a worker whose numerics fingerprint
-# (ARGV[11]) is not the dead worker's, while a live worker of that fingerprint is registered
-# (KEYS: the registry, whose values are the fingerprints; ARGV[13] the heartbeats' prefix): that one
-# continues it with the numbers that wrote it. It keeps its place; the take goes on behind it, up to
-# ARGV[14] jobs passed over, and wakes nobody for those (an idle worker looks again after its block).
-# Only a job that has cost a worker (its attempts key) is looked at for it.
+# (ARGV[11]) is not the dead worker's, while a worker of that fingerprint is live (ARGV[13] ..
+# fingerprint exists: keys.live_numerics, which those workers' heartbeats keep): that one continues
+# it with the numbers that wrote it. It keeps its place; the take goes on behind it, up to ARGV[14]
+# jobs passed over, and wakes nobody for those (an idle worker looks again after its block). Only a
+# job that has cost a worker (its attempts key) is looked at for it.
 # Each job taken gets a lease naming this worker (ARGV[8]), and comes with its record of written
 # tokens (ARGV[10] the prefix; '' none), should an earlier worker have died writing it.
 # A worker takes only what it will start
 # (worker.py): jobs it leaves behind wake an idle worker, as the API's push did, so none sleeps
 # through its block while work waits (one token, if none is there already).
-# KEYS: the model's queues, most urgent first, then the processing list, the wake list and the
-# model's worker registry. Returns {1 if the one job taken must run alone, the jobs, their records,
-# {id, fingerprint, ...} of those passed over}.
+# KEYS: the model's queues, most urgent first, then the processing list, then the wake list.
+# Returns {1 if the one job taken must run alone, the jobs, their records, {id, fingerprint, ...} of
+# those passed over}.
 _TAKE = """
-local nq = #KEYS - 3
-local processing, registry = KEYS[nq + 1], KEYS[nq + 3]
+local nq = #KEYS - 2
+local processing = KEYS[nq + 1]
 local limit, alone_ok, last_retry = tonumber(ARGV[1]), ARGV[2] == '1', tonumber(ARGV[3])
 local mine, most_passed = ARGV[11], tonumber(ARGV[14])
 local taken, isolated, written, passed, skipped = {}, 0, {}, {}, {}
 local npassed = 0
 local live = {}  -- fingerprint -> a live worker has it
 local function alive(numerics)
-  if live[numerics] == nil then
-    live[numerics] = false
-    local workers = redis.call('HGETALL', registry)
-    for i = 1, #workers, 2 do
-      if workers[i + 1] == numerics and redis.call('EXISTS', ARGV[13] .. workers[i]) == 1 then
-        live[numerics] = true
-        break
-      end
-    end
-  end
+  if live[numerics] == nil then live[numerics] = redis.call('EXISTS', ARGV[13] .. numerics) == 1 end
   return live[numerics]
 end
 local function take(queue, raw, at)
@@ -367,11 +358,11 @@ class JobQueue:
     def _take_now(self, limit: int, alone_ok: bool) -> list[tuple[bytes, bytes]]:
         """(job JSON, its record of written tokens) for each job taken."""
         isolated, raws, records, passed = self._take_script(
-            keys=[*keys.queues(self.model), self._processing, self._wake, keys.model_workers(self.model)],
+            keys=[*keys.queues(self.model), self._processing, self._wake],
             args=[limit, int(alone_ok), self.max_attempts, keys.attempts(self.model, ""),
                   keys.drained_prefix(self.model), DRAINED_TTL_S, keys.lease(self.model, ""), self.worker_id,
                   LEASE_TTL_S, keys.written(self.model, ""), self.numerics, keys.written_by(self.model, ""),
-                  keys.heartbeat(self.model, ""), PASS_OVER_AT_MOST])
+                  keys.live_numerics(self.model, ""), PASS_OVER_AT_MOST])
         if isolated:
             self.isolated.add(_job_id(raws[0]))
         for job_id, numerics in zip(map(_text, passed[::2]), map(_text, passed[1::2])):
@@ -578,11 +569,13 @@ class JobQueue:
         # One transaction, in the model's slot: `requeue_dead_workers` sees this worker either struck
         # off or alive again, never registered without a heartbeat.
         pipe = self.redis.pipeline(transaction=True)
-        # Its fingerprint as the value: what a take reads to prefer a worker of a dead one's.
+        # Its fingerprint as the value: the requeue stamps it on the jobs of this worker, should it die.
         pipe.hset(keys.model_workers(self.model), self.worker_id, self.numerics)
         pipe.set(keys.heartbeat(self.model, self.worker_id), info.to_json(), px=int(ttl_s * 1000))
         pipe.exists(keys.tokenizer(self.model))
-        added, _, tokenizer_stored = pipe.execute()
+        if self.numerics and not info.draining:  # a worker of this fingerprint takes jobs
+            pipe.set(keys.live_numerics(self.model, self.numerics), 1, px=int(ttl_s * 1000))
+        added, _, tokenizer_stored = pipe.execute()[:3]
         if not tokenizer_stored and self._tokenizer_files:  # Redis restarted empty
             self.store_tokenizer(self._tokenizer_files)
         struck_off, self._registered = bool(added) and self._registered, True
