@@ -29,7 +29,7 @@ def _live(client, worker_id: str, numerics: str) -> JobQueue:
     return queue
 
 
-def _dead_holding(client, numerics: str, count: int, **push) -> None:
+def _dead_holding(client, numerics: str, count: int) -> None:
     """A worker of `numerics` took `count` jobs and died: they are back at the front of the queue."""
     dead = JobQueue(client, "dead", MODEL, numerics=numerics)
     assert len(dead.take(limit=count, wait_s=0, block_s=1)) == count
