@@ -130,26 +130,26 @@ static void attend_tile(const T* q, int64_t q_stride, const T* k, const T* v, co
     to_float(q + r * q_stride, buf.query.data() + r * width, width);
     for (int64_t i = 0; i < width; ++i) buf.query[r * width + i] *= scale;
   }
-  for (int64_t start = 0; start < longest; start += block_size) {
-    const int64_t block = table[start / block_size];
-    prefetch_next(k, table, start, longest, kv, blocks, block_size, dim);
-    to_float(k + (kv * blocks + block) * block_size * dim, buf.block_f.data(), std::min(block_size, longest - start) * dim);
-    for (int64_t r = 0; r < rows; ++r)
-      if (lengths[r] > start)
-        block_scores<DIM>(buf.query.data() + r * width, buf.block_f.data(), std::min(block_size, lengths[r] - start),
-                          group, dim, buf.scores.data() + r * group * stride + start, stride);
-  }
+  // Each block of keys (then values), in order, turned to floats once for every row of the tile.
+  const auto blockwise = [&](const T* cache, const auto& each_row) {
+    for (int64_t start = 0; start < longest; start += block_size) {
+      prefetch_next(cache, table, start, longest, kv, blocks, block_size, dim);
+      to_float(cache + (kv * blocks + table[start / block_size]) * block_size * dim, buf.block_f.data(),
+               std::min(block_size, longest - start) * dim);
+      for (int64_t r = 0; r < rows; ++r)
+        if (lengths[r] > start) each_row(r, start, std::min(block_size, lengths[r] - start));
+    }
+  };
+  blockwise(k, [&](int64_t r, int64_t start, int64_t n) {
+    block_scores<DIM>(buf.query.data() + r * width, buf.block_f.data(), n, group, dim,
+                      buf.scores.data() + r * group * stride + start, stride);
+  });
   for (int64_t r = 0; r < rows; ++r)
     softmax(buf.scores.data() + r * group * stride, lengths[r], group, stride, buf.total.data() + r * group);
-  for (int64_t start = 0; start < longest; start += block_size) {
-    const int64_t block = table[start / block_size];
-    prefetch_next(v, table, start, longest, kv, blocks, block_size, dim);
-    to_float(v + (kv * blocks + block) * block_size * dim, buf.block_f.data(), std::min(block_size, longest - start) * dim);
-    for (int64_t r = 0; r < rows; ++r)
-      if (lengths[r] > start)
-        block_values<DIM>(buf.scores.data() + r * group * stride + start, buf.block_f.data(),
-                          std::min(block_size, lengths[r] - start), group, dim, buf.acc.data() + r * width, stride);
-  }
+  blockwise(v, [&](int64_t r, int64_t start, int64_t n) {
+    block_values<DIM>(buf.scores.data() + r * group * stride + start, buf.block_f.data(), n, group, dim,
+                      buf.acc.data() + r * width, stride);
+  });
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t g = 0; g < group; ++g) {
       const float inv = 1.f / buf.total[r * group + g];

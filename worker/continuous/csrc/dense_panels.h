@@ -12,6 +12,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "rowwise.h"
+
 #if defined(__AVX512F__)
 #define STORYTELLER_DENSE_PANELS 1
 #include <immintrin.h>
@@ -72,14 +74,6 @@ static constexpr auto row_tiles(std::index_sequence<R...>) {
   }
 }
 
-static inline void store(__m512 v, float* to) { _mm512_storeu_ps(to, v); }
-static inline void store(__m512 v, c10::BFloat16* to) {  // ties to even, as c10 (see panels.h)
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(to), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
-}
-
 template <typename T>
 static void linear(const T* x, int64_t rows, int64_t K, const T* w, T* y, int64_t N) {
   const int64_t panels = N / LANES;
@@ -91,7 +85,7 @@ static void linear(const T* x, int64_t rows, int64_t K, const T* w, T* y, int64_
       for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
         const int64_t n = std::min(ROWS, rows - r0);
         by_rows[n - 1](x + r0 * K, K, w + p * K * LANES, out);
-        for (int64_t r = 0; r < n; ++r) store(_mm512_load_ps(out + r * LANES), y + (r0 + r) * N + p * LANES);
+        for (int64_t r = 0; r < n; ++r) store16(_mm512_load_ps(out + r * LANES), y + (r0 + r) * N + p * LANES);
       }
   });
 }

@@ -23,6 +23,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "rowwise.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define STORYTELLER_PANELS 1
 #include <immintrin.h>
@@ -148,16 +150,6 @@ static constexpr auto row_tiles(std::index_sequence<R...>) {
       panel_rows<Nibbles, static_cast<int>(R) + 1>...};
 }
 
-static inline void store(__m512 v, float* to) { _mm512_storeu_ps(to, v); }
-// Rounded to the nearest bf16, ties to even, as c10::BFloat16 rounds (in integers, so that CPUs
-// without AVX512_BF16's vcvtneps2bf16 give the same bits; a product is never NaN here).
-static inline void store(__m512 v, c10::BFloat16* to) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(to), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
-}
-
 template <bool Nibbles, typename T>
 static void linear(const T* x, int64_t rows, int64_t K, const uint8_t* w, T* y, int64_t N) {
   thread_local Activations kept;  // the caller's thread quantizes; its buffers outlive the call
@@ -172,7 +164,7 @@ static void linear(const T* x, int64_t rows, int64_t K, const uint8_t* w, T* y, 
       for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
         const int64_t n = std::min(ROWS, rows - r0);
         by_rows[n - 1](a, r0, w + p * panel_bytes, out);
-        for (int64_t r = 0; r < n; ++r) store(_mm512_load_ps(out + r * LANES), y + (r0 + r) * N + p * LANES);
+        for (int64_t r = 0; r < n; ++r) store16(_mm512_load_ps(out + r * LANES), y + (r0 + r) * N + p * LANES);
       }
   });
 }

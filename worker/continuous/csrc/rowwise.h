@@ -2,9 +2,15 @@
 // (docs/serving.md, "Same request, same text"; tests/test_invariance.py checks the bits).
 #pragma once
 
+#include <c10/util/BFloat16.h>
+
 #include <cstddef>
 #include <new>
 #include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 namespace storyteller {
 
@@ -33,5 +39,18 @@ struct Aligned {
 };
 template <typename T>
 using aligned_vector = std::vector<T, Aligned<T>>;
+
+#ifdef __AVX512F__
+// 16 products stored in the output's type. bf16: rounded to nearest, ties to even, as c10::BFloat16
+// rounds (in integers, so that CPUs without AVX512_BF16's vcvtneps2bf16 give the same bits; a
+// product is never NaN here).
+static inline void store16(__m512 v, float* to) { _mm512_storeu_ps(to, v); }
+static inline void store16(__m512 v, c10::BFloat16* to) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(to), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+#endif
 
 }  // namespace storyteller
