@@ -72,7 +72,7 @@ def test_two_default_workers_started_one_after_the_other_write_the_same_texts(re
     client, crowd, written, fingerprints = make_client(port), _crowd(), [], []
     try:
         for name in ("A", "B"):  # one at a time: B starts after A is gone
-            worker = default_worker(redis_alone.url, tmp_path, name, OMP_NUM_THREADS="2")
+            worker = default_worker(redis_alone.url, tmp_path, name)  # one thread, as tests/processes.py sets
             try:
                 wait_until(lambda: worker.pid in holding(redis_alone.client(), PACKAGED_NAME), [api, worker],
                            f"worker {name} to load", timeout=180)
