@@ -48,7 +48,7 @@ def profile_batch(loaded, settings: Settings, batch: int, steps: int, context: i
     total = sum(e.self_cpu_time_total for e in prof.key_averages())
     ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:16]
     step_ms = statistics.median(times) * 1000
-    return {"batch": batch, "step_ms": step_ms, "tokens_per_s": batch / step_ms * 1000,
+    return {"batch": batch, "step_ms": step_ms, "tokens_per_s": batch / step_ms * 1000, "numerics": engine.numerics,
             "ops": [{"name": e.key, "share": e.self_cpu_time_total / total,
                      "ms_per_step": e.self_cpu_time_total / 3000, "calls_per_step": e.count / 3}
                     for e in ops]}
@@ -75,7 +75,7 @@ def main(argv=None) -> None:
         r = profile_batch(loaded, settings, batch, args.steps, args.context)
         results.append(r)
         print(f"\nbatch {batch}: {r['step_ms']:.1f} ms per step, {r['tokens_per_s']:.0f} tokens/s "
-              f"({torch.get_num_threads()} threads, {args.small_kernel} kernel up to {args.int4_rows} rows)")
+              f"({torch.get_num_threads()} threads, {r['numerics']})")
         print(f"  {'operator':<36} {'share':>6} {'ms/step':>8} {'calls':>6}")
         for op in r["ops"]:
             print(f"  {op['name']:<36} {op['share']:>6.1%} {op['ms_per_step']:>8.2f} {op['calls_per_step']:>6.0f}")
