@@ -25,9 +25,8 @@
 namespace storyteller {
 namespace dense_panels {
 
-constexpr int64_t LANES = 16;
-constexpr int64_t ROWS = 8;
-constexpr int64_t MIN_WORK = 1 << 19;  // multiply-adds per thread's share at least (panels.h)
+constexpr int64_t LANES = PANEL;  // rowwise.h
+constexpr int64_t ROWS = PANEL_ROWS;
 
 // float32 x and weights [K][16] of one panel: out [R][16].
 template <int R>
@@ -76,17 +75,9 @@ static constexpr auto row_tiles(std::index_sequence<R...>) {
 
 template <typename T>
 static void linear(const T* x, int64_t rows, int64_t K, const T* w, T* y, int64_t N) {
-  const int64_t panels = N / LANES;
-  const int64_t grain = std::max<int64_t>(1, MIN_WORK / (LANES * K * rows));
-  at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
-    static constexpr auto by_rows = row_tiles<T>(std::make_index_sequence<ROWS>());
-    alignas(64) float out[ROWS * LANES];
-    for (int64_t p = begin; p < end; ++p)
-      for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
-        const int64_t n = std::min(ROWS, rows - r0);
-        by_rows[n - 1](x + r0 * K, K, w + p * K * LANES, out);
-        for (int64_t r = 0; r < n; ++r) store16(_mm512_load_ps(out + r * LANES), y + (r0 + r) * N + p * LANES);
-      }
+  static constexpr auto by_rows = row_tiles<T>(std::make_index_sequence<ROWS>());
+  over_panels(rows, K, N, y, [&](int64_t p, int64_t r0, int64_t n, float* out) {
+    by_rows[n - 1](x + r0 * K, K, w + p * K * LANES, out);
   });
 }
 

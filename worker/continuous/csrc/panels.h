@@ -38,10 +38,8 @@ namespace storyteller {
 namespace panels {
 
 constexpr int64_t GROUP = 32;
-constexpr int64_t LANES = 16;  // output features per panel: one int32 lane each
-constexpr int64_t ROWS = 8;    // rows of x per pass over a panel: two accumulators each, 16 registers
-// At least this many multiply-adds per thread's share: a parallel region costs ~10 us to open.
-constexpr int64_t MIN_WORK = 1 << 19;
+constexpr int64_t LANES = PANEL;  // output features per panel: one int32 lane each (rowwise.h)
+constexpr int64_t ROWS = PANEL_ROWS;  // rows of x per pass over a panel: two accumulators each, 16 registers
 
 // One group of one panel, as weights.py packs it: the weights, then 16 float16 scales (Q4_1: and
 // 16 float16 minimums). Q4_1: 4 x 64 bytes, byte b of lane f in block j holding weights 4j + b
@@ -155,17 +153,10 @@ static void linear(const T* x, int64_t rows, int64_t K, const uint8_t* w, T* y, 
   thread_local Activations kept;  // the caller's thread quantizes; its buffers outlive the call
   Activations& a = kept;          // (named, so the threads below read the caller's, not their own)
   a.fill(x, rows, K);
-  const int64_t panels = N / LANES, panel_bytes = a.G * Format<Nibbles>::bytes;
-  const int64_t grain = std::max<int64_t>(1, MIN_WORK / (LANES * K * rows));
-  at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
-    static constexpr auto by_rows = row_tiles<Nibbles>(std::make_index_sequence<ROWS>());
-    alignas(64) float out[ROWS * LANES];
-    for (int64_t p = begin; p < end; ++p)
-      for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
-        const int64_t n = std::min(ROWS, rows - r0);
-        by_rows[n - 1](a, r0, w + p * panel_bytes, out);
-        for (int64_t r = 0; r < n; ++r) store16(_mm512_load_ps(out + r * LANES), y + (r0 + r) * N + p * LANES);
-      }
+  const int64_t panel_bytes = a.G * Format<Nibbles>::bytes;
+  static constexpr auto by_rows = row_tiles<Nibbles>(std::make_index_sequence<ROWS>());
+  over_panels(rows, K, N, y, [&](int64_t p, int64_t r0, int64_t n, float* out) {
+    by_rows[n - 1](a, r0, w + p * panel_bytes, out);
   });
 }
 

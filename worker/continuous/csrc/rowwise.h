@@ -2,8 +2,10 @@
 // (docs/serving.md, "Same request, same text"; tests/test_invariance.py checks the bits).
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <new>
 #include <vector>
@@ -50,6 +52,29 @@ static inline void store16(__m512 v, c10::BFloat16* to) {
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(to), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+
+// The panel kernels' product (panels.h, dense_panels.h): y [rows, N] = x [rows, K] times a weight
+// laid out in panels of PANEL output features. Threads split the panels, so each output is made
+// by one thread; within a panel, rows go PANEL_ROWS at a time through `tile(panel, first row,
+// rows, out)`, which writes rows x PANEL floats to out. Which thread or tile a row lands in does
+// not change its bits: the tile's code for a row is the same at any number of rows beside it.
+constexpr int64_t PANEL = 16;       // output features per panel: one lane each
+constexpr int64_t PANEL_ROWS = 8;   // rows of x per pass over a panel's weights (an accumulator each)
+constexpr int64_t PANEL_MIN_WORK = 1 << 19;  // multiply-adds per thread's share at least: a parallel region costs ~10 us
+
+template <typename T, typename Tile>
+static void over_panels(int64_t rows, int64_t K, int64_t N, T* y, const Tile& tile) {
+  const int64_t grain = std::max<int64_t>(1, PANEL_MIN_WORK / (PANEL * K * rows));
+  at::parallel_for(0, N / PANEL, grain, [&](int64_t begin, int64_t end) {
+    alignas(64) float out[PANEL_ROWS * PANEL];
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t r0 = 0; r0 < rows; r0 += PANEL_ROWS) {
+        const int64_t n = std::min(PANEL_ROWS, rows - r0);
+        tile(p, r0, n, out);
+        for (int64_t r = 0; r < n; ++r) store16(_mm512_load_ps(out + r * PANEL), y + (r0 + r) * N + p * PANEL);
+      }
+  });
 }
 #endif
 
