@@ -150,6 +150,14 @@ def tokenizer(model: str) -> str:
     return f"{model_prefix(model)}tokenizer"
 
 
+def grammar(model: str, digest: str) -> str:
+    """String: a constraint's grammar (llguidance's JSON form, api/grammars.py), stored by the API
+    under the sha256 `digest` of its text, which the jobs that use it carry (params.grammar): it
+    travels once, not in every job. It expires GRAMMAR_TTL_S after its last use (each request that
+    uses it sets it again), so a game's few schemas stay and a one-off goes."""
+    return f"{model_prefix(model)}grammar:{digest}"
+
+
 def channel(model: str, job_id: str) -> str:
     return f"{model_prefix(model)}result:{job_id}"
 

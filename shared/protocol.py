@@ -5,7 +5,7 @@ Everything is JSON, never pickle: any process, in any language, can read the que
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Optional, Union
 
 
@@ -18,10 +18,46 @@ class SamplingParams:
     seed: Optional[int] = None  # same seed, same text
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False  # keep writing past end-of-text (benchmarks that need equal work)
+    # What follows changes the logits before the pick (worker/logits.py), per row inside the step;
+    # a job sends only the fields it sets (Job.to_json), so a worker that predates one still reads
+    # every job that does not use it, and the API sends a job that does only to workers that
+    # announce the feature (WorkerInfo.features).
+    presence_penalty: float = 0.0  # OpenAI's: minus this once a token has been written (-2..2)
+    frequency_penalty: float = 0.0  # minus this per time it has been written (-2..2)
+    repetition_penalty: float = 1.0  # CTRL's, as HF and vLLM: prompt and output tokens' logits /(x)
+    min_p: float = 0.0  # drop tokens less likely than min_p x the likeliest (after temperature)
+    logit_bias: dict[str, float] = field(default_factory=dict)  # token id (a JSON key) -> -100..100
+    stop_token_ids: list[int] = field(default_factory=list)  # finish "stop" on any (not in the text)
+    min_tokens: int = 0  # end-of-text and stop_token_ids are masked until this many are written
+    # Log-probabilities, of the model's own log-softmax (before temperature, penalties, masks):
+    # None: none; k >= 0: each written token's, with the k likeliest beside it.
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None  # the same for each prompt token after the first (echo)
+    # The hash of a compiled-constraint grammar stored at keys.grammar(model, hash) (api/grammars.py):
+    # every token is picked under its mask.
+    grammar: Optional[str] = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+
+# What a worker can honour beyond plain sampling (WorkerInfo.features): the API refuses a request
+# that needs one its model's live workers do not all announce, rather than queue a job they drop.
+FEATURE_PENALTIES = "penalties"  # presence/frequency/repetition penalties, min_p, logit_bias,
+#                                  stop_token_ids, min_tokens
+FEATURE_LOGPROBS = "logprobs"  # logprobs of written tokens
+FEATURE_PROMPT_LOGPROBS = "prompt_logprobs"  # and of the prompt's (echo with logprobs)
+FEATURE_GRAMMAR = "grammar"  # structured output: a grammar's mask on every pick
+FEATURES = (FEATURE_PENALTIES, FEATURE_LOGPROBS, FEATURE_PROMPT_LOGPROBS, FEATURE_GRAMMAR)
+_PARAM_DEFAULTS = {f.name: (f.default_factory() if f.default_factory is not MISSING else f.default)
+                   for f in fields(SamplingParams)}
+
+
+def params_json(params: SamplingParams) -> dict:
+    """The fields of `params` away from their defaults (max_tokens always): what a job carries."""
+    return {name: value for name, value in asdict(params).items()
+            if name == "max_tokens" or value != _PARAM_DEFAULTS[name]}
 
 
 # Priority, as vLLM's: lower is served first; a worker takes from the most urgent non-empty queue.
@@ -49,7 +85,7 @@ class Job:
     priority: int = PRIORITY_DEFAULT
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
+        return json.dumps({**asdict(self), "params": params_json(self.params)}, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, raw: Union[str, bytes]) -> "Job":
@@ -72,6 +108,13 @@ class TextDelta:
     text: str
     offset: int
     completion_tokens: int
+    # With params.logprobs: one entry per token whose text is in `text` (a token whose text is held
+    # back, half a character or a possible stop string, comes with the text it makes), each
+    # [token id, logprob, text offset in the whole answer, [[id, logprob], ...the k likeliest]];
+    # `logprobs_start` is the first entry's index among the answer's tokens (as `offset` is the
+    # text's), so a resumed job's repeat is skipped by the API as its text is.
+    logprobs: Optional[list] = None
+    logprobs_start: int = 0
     type: str = "text"
 
 
@@ -82,6 +125,11 @@ class Final:
     finish_reason: str  # "stop" | "length"
     prompt_tokens: int
     completion_tokens: int
+    logprobs: Optional[list] = None  # every written token's entry (TextDelta.logprobs' form)
+    # With params.prompt_logprobs: an entry per prompt token, the first's logprob None (nothing
+    # before it), in the same form; text offsets count in the prompt's text.
+    prompt_logprobs: Optional[list] = None
+    cached_tokens: int = 0  # prompt tokens the prefix cache held (usage.prompt_tokens_details)
     type: str = "final"
 
 
@@ -125,6 +173,7 @@ class WorkerInfo:
     # the same tokens for the same request; "+invariant" where a row's numbers do not depend on
     # what shares its step (docs/serving.md, "Same request, same text").
     numerics: str = ""
+    features: list[str] = field(default_factory=list)  # of FEATURES, those its engine honours
     stats: dict = field(default_factory=dict)  # the engine's own: KV cache usage, requests held
 
     def to_json(self) -> str:
@@ -132,4 +181,5 @@ class WorkerInfo:
 
     @classmethod
     def from_json(cls, raw: Union[str, bytes]) -> "WorkerInfo":
-        return cls(**json.loads(raw))
+        known = {f.name for f in fields(cls)}  # a newer worker's extra fields are not this API's business
+        return cls(**{k: v for k, v in json.loads(raw).items() if k in known})
