@@ -27,7 +27,8 @@ from api.errors import ApiError, bad_request, unavailable
 from api.openai_format import SSE_DONE, Shape, sse, usage
 from api.openapi import document
 from api.tokenizers import TokenizerCache
-from api.validation import CompletionRequest, check_max_tokens, parse_chat, parse_completion
+from api.features import check_features
+from api.validation import CompletionRequest, check_max_tokens, check_token_ids, parse_chat, parse_completion
 from shared.protocol import Failure, Final, Job, TextDelta, WorkerInfo
 from shared.redis_client import connect, explain, is_cluster, is_sentinel
 from shared.settings import Settings
@@ -101,15 +102,17 @@ def create_app(settings: Optional[Settings] = None, client: Optional[redis.Redis
 
     @app.post("/v1/completions")
     def completions():
-        return _answer(parse_completion(_json_body()), chat=False)
+        return _answer(parse_completion(_json_body(), settings.lenient), chat=False)
 
     @app.post("/v1/chat/completions")
     def chat_completions():
-        return _answer(parse_chat(_json_body()), chat=True)
+        return _answer(parse_chat(_json_body(), settings.lenient), chat=True)
 
     def _answer(req: CompletionRequest, chat: bool):
         workers = broker.workers_for(req.model)
+        check_features(req, workers)  # a field its workers cannot honour: refused, not dropped
         check_max_tokens(req, workers[0].context_window)
+        check_token_ids(req, tokenizers.get(workers[0]).vocab_size)
         cap = broker.admission.cap(workers)
         # A full queue is refused before the costly part (tokenizing), so a crowd hears it at once.
         broker.admission.check(req.model, req.n * (1 if chat else len(req.prompts)), cap)

@@ -30,8 +30,9 @@ class BatchLine:
     body: dict
 
 
-def parse_file(content: bytes) -> list[BatchLine]:
-    """Every request in the file, in order; a 400 naming the first bad line."""
+def parse_file(content: bytes, lenient: bool = False) -> list[BatchLine]:
+    """Every request in the file, in order; a 400 naming the first bad line. A body's fields follow
+    the live routes' rules: a field they do not know is a mistake unless `lenient` (--lenient)."""
     try:
         text = content.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -44,7 +45,7 @@ def parse_file(content: bytes) -> list[BatchLine]:
             continue  # a trailing newline, or blank lines: nothing to run
         if len(lines) == MAX_LINES:
             raise _invalid(f"the file holds more than {MAX_LINES} requests: split it into several batches")
-        line = _line(number, raw)
+        line = _line(number, raw, lenient)
         if line.custom_id in first_seen:
             raise _invalid(f"line {number}: custom_id {line.custom_id!r} is already used on line "
                            f"{first_seen[line.custom_id]}: each request needs its own, to find its answer")
@@ -56,7 +57,7 @@ def parse_file(content: bytes) -> list[BatchLine]:
     return lines
 
 
-def _line(number: int, raw: str) -> BatchLine:
+def _line(number: int, raw: str, lenient: bool) -> BatchLine:
     where = f"line {number}"
     try:
         data = json.loads(raw)
@@ -87,7 +88,7 @@ def _line(number: int, raw: str) -> BatchLine:
         raise _invalid(f"{where}: 'body.stream' must be false or absent: a batch's answers are written to "
                        f"its output file, not streamed")
     try:
-        ENDPOINTS[url](body)
+        ENDPOINTS[url](body, lenient)
     except ApiError as exc:
         raise _invalid(f"{where} (custom_id {custom_id!r}): {exc.message}")
     return BatchLine(custom_id, url, body)

@@ -65,7 +65,7 @@ def blueprint(settings: Settings, client: redis.Redis) -> Blueprint:
         content = upload.read(limit + 1)
         if len(content) > limit:
             raise too_large()
-        lines = parse_file(content)
+        lines = parse_file(content, settings.lenient)
         extra = {"requests": len(lines), "urls": sorted({line.url for line in lines})}
         return jsonify(files.create(content, upload.filename or "batch.jsonl", purpose, extra))
 

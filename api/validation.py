@@ -1,19 +1,66 @@
-"""Read and check a completions or chat request body; every mistake becomes a clear 400."""
+"""Read and check a completions or chat request body; every mistake becomes a clear 400.
+
+No field is silently ignored: each one either does what OpenAI (or vLLM, for its extensions)
+documents, is metadata that cannot change the answer (METADATA_FIELDS), or is refused with a 400
+naming it, unless sent at a value that asks for nothing (UNSUPPORTED). A field neither route knows
+is a 400 `unknown_parameter`, or with --lenient a warning in the log, once per field name.
+"""
 from __future__ import annotations
 
+import logging
+import re
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from api import chat_fields
+from api.chat_fields import CHAT_ROLES, MAX_MESSAGES  # noqa: F401 (the API's limits, listed here)
 from api.errors import bad_request
 from shared.protocol import PRIORITY_DEFAULT, PRIORITY_MAX, PRIORITY_MIN, SamplingParams
+
+log = logging.getLogger(__name__)
 
 MAX_CHOICES = 8
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256    # each stop string: the worker looks for every one after every token
 MAX_PROMPTS = 64
 MAX_TOTAL_CHOICES = 64  # n x prompts: the jobs one request may queue
-MAX_MESSAGES = 512
-CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
+PENALTY_RANGE = (-2.0, 2.0)          # presence_penalty, frequency_penalty (OpenAI's)
+MAX_REPETITION_PENALTY = 10.0        # repetition_penalty in (0, this]; 1 is off
+MAX_LOGIT_BIAS = 300                 # entries (OpenAI's limit)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+MAX_STOP_TOKEN_IDS = 16
+MAX_LOGPROBS = 20                    # completions' logprobs, chat's top_logprobs (vLLM's bound)
+MAX_TOKEN_ID = 2**31 - 1             # ids beyond the model's vocabulary are refused once it is known
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
+MAX_METADATA, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's limits on `metadata`
+
+# Every field each route knows. Metadata: accepted, checked for its type, and without effect here.
+METADATA_FIELDS = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
+_SHARED_FIELDS = (
+    "model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "stream_options",
+    "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "response_format",
+    # vLLM's extensions
+    "top_k", "ignore_eos", "priority", "repetition_penalty", "min_p", "stop_token_ids", "min_tokens",
+    "structured_outputs", *METADATA_FIELDS)
+# OpenAI's fields this server cannot honour: accepted only at the value that asks for nothing.
+UNSUPPORTED = {
+    "suffix": ((None, ""), "writing text before a suffix (fill-in-the-middle) is not supported by this server"),
+    "modalities": ((None, ["text"]), "this server writes text only"),
+    "audio": ((None,), "audio output is not supported by this server"),
+    "prediction": ((None,), "predicted outputs are not supported by this server"),
+    "web_search_options": ((None,), "web search is not supported by this server"),
+    "reasoning_effort": ((None,), "reasoning models are not supported by this server"),
+    "verbosity": ((None,), "verbosity is not supported by this server"),
+    "functions": ((None, []), "is deprecated by OpenAI and not supported by this server: use 'tools'"),
+    "function_call": ((None, "none"), "is deprecated by OpenAI and not supported by this server: use "
+                                      "'tool_choice'"),
+}
+COMPLETION_FIELDS = frozenset(_SHARED_FIELDS + ("prompt", "echo", "suffix", "best_of"))
+CHAT_FIELDS = frozenset(_SHARED_FIELDS + (
+    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
+    "modalities", "audio", "prediction", "web_search_options", "reasoning_effort", "verbosity",
+    "functions", "function_call"))
 
 Prompt = Union[str, list[int]]  # text, or token ids already
 
@@ -30,6 +77,13 @@ class CompletionRequest:
     priority: int = PRIORITY_DEFAULT  # lower is served first
     prompts: list[Prompt] = field(default_factory=list)  # completions
     messages: list[dict] = field(default_factory=list)   # chat
+    echo: bool = False  # completions: the prompt comes back before the answer
+    # Constraints, as sent after a check of their shape (api/grammars.py, api/tools.py compile them):
+    # None when absent or asking for nothing (response_format {"type": "text"}, tools []).
+    response_format: Optional[dict] = None
+    structured_outputs: Optional[dict] = None  # vLLM's: one of json, regex, choice, grammar
+    tools: Optional[list] = None  # chat
+    tool_choice: Optional[Union[str, dict]] = None  # "none" | "auto" | "required" | a named function
 
 
 def _kind_ok(value, kind) -> bool:
@@ -63,6 +117,48 @@ def _check(ok: bool, name: str, message: str) -> None:
         raise bad_request(f"'{name}' {message}", param=name, code="invalid_value")
 
 
+def _number_in(body: dict, name: str, low: float, high: float, default: float) -> float:
+    value = float(get_field(body, name, float, default))
+    _check(low <= value <= high, name, f"must be between {low:g} and {high:g}, got {value:g}")
+    return value
+
+
+_warned_unknown: set[str] = set()
+
+
+def _known_fields(body: dict, known: frozenset, lenient: bool) -> None:
+    """A 400 for the first field the route does not know (or, lenient, a warning once per name)."""
+    for name in body:
+        if name in known:
+            continue
+        if not lenient:
+            raise bad_request(f"Unrecognized request argument supplied: {name}", param=name,
+                              code="unknown_parameter")
+        if name not in _warned_unknown:
+            _warned_unknown.add(name)
+            log.warning("ignoring the request field %r, which this API does not know (--lenient)", name)
+    for name, (no_op, reason) in UNSUPPORTED.items():
+        if name in known and body.get(name) not in no_op:
+            raise bad_request(f"'{name}' {reason}" if reason.startswith("is ") else f"'{name}': {reason}",
+                              param=name, code="unsupported_parameter")
+
+
+def _metadata(body: dict, chat: bool) -> None:
+    """The metadata fields are checked as OpenAI checks them, and then have no effect."""
+    for name in ("user", "prompt_cache_key", "safety_identifier"):
+        get_field(body, name, str)
+    get_field(body, "store", bool)
+    if chat:
+        get_field(body, "parallel_tool_calls", bool)
+    tier = get_field(body, "service_tier", str)
+    _check(tier in (None, *SERVICE_TIERS), "service_tier", f"must be one of {', '.join(SERVICE_TIERS)}, got {tier!r}")
+    metadata = get_field(body, "metadata", dict, {})
+    _check(len(metadata) <= MAX_METADATA, "metadata", f"takes at most {MAX_METADATA} pairs, got {len(metadata)}")
+    _check(all(isinstance(k, str) and len(k) <= MAX_METADATA_KEY and isinstance(v, str)
+               and len(v) <= MAX_METADATA_VALUE for k, v in metadata.items()), "metadata",
+           f"must map keys of up to {MAX_METADATA_KEY} characters to strings of up to {MAX_METADATA_VALUE}")
+
+
 def _max_tokens(body: dict, name: str, default: Optional[int]) -> Optional[int]:
     max_tokens = get_field(body, name, int, default)
     if max_tokens is not None:
@@ -70,17 +166,7 @@ def _max_tokens(body: dict, name: str, default: Optional[int]) -> Optional[int]:
     return max_tokens
 
 
-def _sampling(body: dict, max_tokens_name: str = "max_tokens", default_max: Optional[int] = None):
-    max_tokens = _max_tokens(body, max_tokens_name, default_max)
-    temperature = float(get_field(body, "temperature", float, 1.0))
-    _check(0 <= temperature <= 2, "temperature", f"must be between 0 and 2, got {temperature}")
-    top_p = float(get_field(body, "top_p", float, 1.0))
-    _check(0 < top_p <= 1, "top_p", f"must be in (0, 1], got {top_p}")
-    top_k = get_field(body, "top_k", int, 0)
-    _check(top_k >= -1, "top_k", f"must be -1 or 0 (off) or a positive integer, got {top_k}")
-    seed = get_field(body, "seed", int)
-    if seed is not None:
-        _check(abs(seed) < 2**63 - MAX_CHOICES, "seed", f"must fit in 64 bits, got {seed}")
+def _stop(body: dict) -> list[str]:
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -92,22 +178,80 @@ def _sampling(body: dict, max_tokens_name: str = "max_tokens", default_max: Opti
     _check(all(stop), "stop", "sequences must not be empty")
     _check(all(len(s) <= MAX_STOP_CHARS for s in stop), "stop",
            f"sequences must be at most {MAX_STOP_CHARS} characters, got {max(map(len, stop), default=0)}")
+    return stop
+
+
+def _logit_bias(body: dict) -> dict[str, float]:
+    bias = get_field(body, "logit_bias", dict, {})
+    _check(len(bias) <= MAX_LOGIT_BIAS, "logit_bias", f"takes at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}")
+    clean = {}
+    for key, value in bias.items():
+        _check(bool(re.fullmatch(r"[0-9]{1,10}", key)) and int(key) <= MAX_TOKEN_ID, "logit_bias",
+               f"keys must be token ids (non-negative integers as strings), got {key!r}")
+        _check(_kind_ok(value, float) and LOGIT_BIAS_RANGE[0] <= value <= LOGIT_BIAS_RANGE[1], "logit_bias",
+               f"values must be numbers between -100 and 100, got {value!r} for token {key}")
+        clean[str(int(key))] = float(value)
+    return clean
+
+
+def _stop_token_ids(body: dict) -> list[int]:
+    ids = get_field(body, "stop_token_ids", list, [])
+    _check(len(ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids", f"takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
+    _check(all(_kind_ok(t, int) and 0 <= t <= MAX_TOKEN_ID for t in ids), "stop_token_ids",
+           "must be an array of token ids (non-negative integers)")
+    return [int(t) for t in ids]
+
+
+def _sampling(body: dict, max_tokens_name: str = "max_tokens", default_max: Optional[int] = None):
+    max_tokens = _max_tokens(body, max_tokens_name, default_max)
+    temperature = _number_in(body, "temperature", 0, 2, 1.0)
+    top_p = float(get_field(body, "top_p", float, 1.0))
+    _check(0 < top_p <= 1, "top_p", f"must be in (0, 1], got {top_p}")
+    top_k = get_field(body, "top_k", int, 0)
+    _check(top_k >= -1, "top_k", f"must be -1 or 0 (off) or a positive integer, got {top_k}")
+    seed = get_field(body, "seed", int)
+    if seed is not None:
+        _check(abs(seed) < 2**63 - MAX_CHOICES, "seed", f"must fit in 64 bits, got {seed}")
+    repetition_penalty = float(get_field(body, "repetition_penalty", float, 1.0))
+    _check(0 < repetition_penalty <= MAX_REPETITION_PENALTY, "repetition_penalty",
+           f"must be in (0, {MAX_REPETITION_PENALTY:g}] (1 is off), got {repetition_penalty:g}")
+    min_tokens = get_field(body, "min_tokens", int, 0)
+    _check(min_tokens >= 0, "min_tokens", f"must be at least 0, got {min_tokens}")
+    if max_tokens is not None:
+        _check(min_tokens <= max_tokens, "min_tokens", f"is {min_tokens}, more than {max_tokens_name} ({max_tokens})")
     # max_tokens here is a placeholder: the API sets it once it knows the room the prompt leaves.
-    params = SamplingParams(max_tokens=max_tokens or 1, temperature=temperature, top_p=top_p,
-                            top_k=max(top_k, 0), seed=seed, stop=stop,
-                            ignore_eos=get_field(body, "ignore_eos", bool, False))
+    params = SamplingParams(
+        max_tokens=max_tokens or 1, temperature=temperature, top_p=top_p, top_k=max(top_k, 0), seed=seed,
+        stop=_stop(body), ignore_eos=get_field(body, "ignore_eos", bool, False),
+        presence_penalty=_number_in(body, "presence_penalty", *PENALTY_RANGE, 0.0),
+        frequency_penalty=_number_in(body, "frequency_penalty", *PENALTY_RANGE, 0.0),
+        repetition_penalty=repetition_penalty, min_p=_number_in(body, "min_p", 0, 1, 0.0),
+        logit_bias=_logit_bias(body), stop_token_ids=_stop_token_ids(body), min_tokens=min_tokens)
     return params, max_tokens
 
 
-def _common(body, max_tokens_name: str, default_max: Optional[int], **fields) -> CompletionRequest:
-    if not isinstance(body, dict):
-        raise bad_request("the body must be a JSON object, e.g. {\"model\": ..., \"prompt\": ...}",
-                          code="invalid_json")
+def _constraints(body: dict) -> dict:
+    """response_format and structured_outputs, their shape checked; their contents are compiled later."""
+    response_format = get_field(body, "response_format", dict)
+    if response_format is not None:
+        kind = response_format.get("type")
+        _check(kind in RESPONSE_FORMATS, "response_format.type",
+               f"must be one of {', '.join(RESPONSE_FORMATS)}, got {kind!r}")
+        if kind == "json_schema" and not isinstance(response_format.get("json_schema"), dict):
+            raise bad_request("'response_format.json_schema' must be an object {name, schema, strict}",
+                              param="response_format.json_schema", code="invalid_type")
+        if kind == "text":
+            response_format = None  # asks for nothing
+    return {"response_format": response_format,
+            "structured_outputs": get_field(body, "structured_outputs", dict)}
+
+
+def _common(body: dict, max_tokens_name: str, default_max: Optional[int], chat: bool, **fields) -> CompletionRequest:
     model = get_field(body, "model", str, required=True)
     params, max_tokens = _sampling(body, max_tokens_name, default_max)
     n = get_field(body, "n", int, 1)
     _check(1 <= n <= MAX_CHOICES, "n", f"must be between 1 and {MAX_CHOICES}, got {n}")
-    get_field(body, "user", str)
+    _metadata(body, chat)
     options = get_field(body, "stream_options", dict, {})
     include_usage = options.get("include_usage")
     if include_usage is not None and not isinstance(include_usage, bool):
@@ -118,26 +262,53 @@ def _common(body, max_tokens_name: str, default_max: Optional[int], **fields) ->
            f"must be between {PRIORITY_MIN} (most urgent) and {PRIORITY_MAX}, got {priority}")
     return CompletionRequest(model=model, params=params, max_tokens=max_tokens, max_tokens_param=max_tokens_name,
                              n=n, priority=priority, stream=get_field(body, "stream", bool, False),
-                             include_usage=bool(include_usage), **fields)
+                             include_usage=bool(include_usage), **_constraints(body), **fields)
 
 
-def parse_completion(body) -> CompletionRequest:
-    prompts = _prompts(body.get("prompt") if isinstance(body, dict) else None)
-    req = _common(body, "max_tokens", 16, prompts=prompts)
+def _an_object(body) -> dict:
+    if not isinstance(body, dict):
+        raise bad_request("the body must be a JSON object, e.g. {\"model\": ..., \"prompt\": ...}",
+                          code="invalid_json")
+    return body
+
+
+def parse_completion(body, lenient: bool = False) -> CompletionRequest:
+    _known_fields(_an_object(body), COMPLETION_FIELDS, lenient)
+    prompts = _prompts(body.get("prompt"))
+    req = _common(body, "max_tokens", 16, chat=False, prompts=prompts, echo=get_field(body, "echo", bool, False))
     _check(req.n * len(prompts) <= MAX_TOTAL_CHOICES, "n",
            f"times the number of prompts must be at most {MAX_TOTAL_CHOICES} choices in all, "
            f"got {req.n} x {len(prompts)}")
+    best_of = get_field(body, "best_of", int)
+    if best_of not in (None, req.n):  # best_of == n picks all it writes: the same as n alone
+        raise bad_request(f"'best_of' other than n ({req.n}) is not supported by this server: ask for n "
+                          f"choices and pick among them", param="best_of", code="unsupported_parameter")
+    logprobs = None if body.get("logprobs") is False else get_field(body, "logprobs", int)
+    if logprobs is not None:
+        _check(0 <= logprobs <= MAX_LOGPROBS, "logprobs", f"must be between 0 and {MAX_LOGPROBS}, got {logprobs}")
+        req.params.logprobs = logprobs
+        req.params.prompt_logprobs = logprobs if req.echo else None
     return req
 
 
-def parse_chat(body) -> CompletionRequest:
-    raw = body.get("messages") if isinstance(body, dict) else None
+def parse_chat(body, lenient: bool = False) -> CompletionRequest:
+    _known_fields(_an_object(body), CHAT_FIELDS, lenient)
+    messages = chat_fields.messages(body.get("messages"))
     # max_completion_tokens is OpenAI's newer name; given, it wins over max_tokens.
-    given = isinstance(body, dict) and body.get("max_completion_tokens") is not None
+    given = body.get("max_completion_tokens") is not None
     name = "max_completion_tokens" if given else "max_tokens"
     if given:  # max_tokens is then unused, but a wrong one is still a mistake worth hearing about
         _max_tokens(body, "max_tokens", None)
-    return _common(body, name, None, messages=_messages(raw))
+    tools = chat_fields.tools(body.get("tools"))
+    req = _common(body, name, None, chat=True, messages=messages, tools=tools,
+                  tool_choice=chat_fields.tool_choice(body.get("tool_choice"), tools))
+    logprobs = get_field(body, "logprobs", bool, False)
+    top_logprobs = get_field(body, "top_logprobs", int, 0)
+    _check(0 <= top_logprobs <= MAX_LOGPROBS, "top_logprobs",
+           f"must be between 0 and {MAX_LOGPROBS}, got {top_logprobs}")
+    _check(logprobs or not top_logprobs, "top_logprobs", "needs 'logprobs': true")
+    req.params.logprobs = top_logprobs if logprobs else None
+    return req
 
 
 def _prompts(prompt) -> list[Prompt]:
@@ -161,36 +332,17 @@ def _prompts(prompt) -> list[Prompt]:
     return prompts
 
 
-def _messages(messages) -> list[dict]:
-    if messages is None:
-        raise bad_request("you must provide 'messages'", param="messages", code="missing_required_parameter")
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("'messages' must be a non-empty array", param="messages", code="invalid_type")
-    _check(len(messages) <= MAX_MESSAGES, "messages", f"takes at most {MAX_MESSAGES} messages, got {len(messages)}")
-    clean = []
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise bad_request(f"'{where}' must be an object with 'role' and 'content'", param=where,
-                              code="invalid_type")
-        role, content = message.get("role"), message.get("content")
-        _check(role in CHAT_ROLES, f"{where}.role", f"must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
-        if isinstance(content, list):  # content parts: only text is understood by a text model
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise bad_request(f"'{where}.content' parts must all be of type 'text'",
-                                  param=f"{where}.content", code="invalid_type")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise bad_request(f"'{where}.content' must be a string", param=f"{where}.content",
-                              code="invalid_type")
-        clean.append({"role": role, "content": content})
-    return clean
-
-
 def check_max_tokens(req: CompletionRequest, context_window: int) -> None:
     """More tokens than the model's whole window is a mistake, not a wish to fill it: a 400.
     (max_tokens within the window but beyond the room the prompt leaves is cut to the room.)"""
     if req.max_tokens is not None and req.max_tokens > context_window:
         raise bad_request(f"'{req.max_tokens_param}' is {req.max_tokens}, more than this model's context window "
                           f"of {context_window} tokens", param=req.max_tokens_param, code="invalid_value")
+
+
+def check_token_ids(req: CompletionRequest, vocab_size: int) -> None:
+    """logit_bias' and stop_token_ids' ids must be the model's (known once its tokenizer is)."""
+    for name, ids in (("logit_bias", map(int, req.params.logit_bias)), ("stop_token_ids", req.params.stop_token_ids)):
+        outside = [t for t in ids if t >= vocab_size]
+        _check(not outside, name, f"names token id {max(outside, default=0)}, outside the vocabulary "
+                                  f"(size {vocab_size})")

@@ -47,6 +47,8 @@ class Settings:
                                  "'Authorization: Bearer <key>' (empty: no auth)", secret=True)
     api_keys_file: str = _setting("", "a file of API keys, one per line (with or instead of --api-keys)")
     rate_limit: int = _setting(0, "requests per minute per API key, across API processes (0: no limit)")
+    lenient: bool = _setting(False, "log and ignore request fields this API does not know, instead of a 400 "
+                                    "(for clients that send extras)")
     # The batch API
     files_dir: str = _setting("", "directory for uploaded and batch output files, shared by the API and "
                                   "the batch worker (empty: in Redis)")
