@@ -11,7 +11,7 @@ import uuid
 import redis
 import torch
 
-from shared.protocol import WorkerInfo
+from shared.protocol import FEATURE_GRAMMAR, WorkerInfo
 from shared.redis_client import connect, explain, masked
 from shared.settings import Settings
 from worker import clock, metrics, model_loader
@@ -107,8 +107,13 @@ def main(argv=None) -> None:
         id=worker_id, model=loaded.name, context_window=loaded.context_window, engine=engine.name,
         batch=engine.capacity, device=str(loaded.device), dtype=str(loaded.dtype).removeprefix("torch."),
         tokenizer_digest=model_loader.digest(files),
-        pid=os.getpid(), host=socket.gethostname(), started=clock.wall(), numerics=engine.numerics)
-    worker = Worker(queue, engine, info, settings)
+        pid=os.getpid(), host=socket.gethostname(), started=clock.wall(), numerics=engine.numerics,
+        features=list(engine.features))
+    grammars = None
+    if FEATURE_GRAMMAR in engine.features:
+        from worker.constraint import Grammars  # llguidance
+        grammars = Grammars(loaded.tokenizer, loaded.vocab_size, queue.grammar)
+    worker = Worker(queue, engine, info, settings, grammars)
     worker.install_signal_handlers()
     if settings.metrics_port:
         metrics.serve(settings.metrics_port, metrics.EngineCollector(info.model, engine, queue.requeued,

@@ -18,6 +18,7 @@ class Engine(Protocol):
     capacity: int  # most sequences held at once
     last_batch: int  # sequences computed by the last step (for the batch-size histogram)
     numerics: str  # the numerics fingerprint the worker announces (WorkerInfo.numerics)
+    features: tuple  # of shared.protocol.FEATURES, those it honours (WorkerInfo.features)
 
     @property
     def busy(self) -> bool: ...
@@ -27,10 +28,12 @@ class Engine(Protocol):
         in Redis for other workers (docs/serving.md, Sharing work between workers)."""
         ...
 
-    def add(self, job: Job, written: Optional[list[int]] = None) -> Sequence:
+    def add(self, job: Job, written: Optional[list[int]] = None, constraint=None) -> Sequence:
         """Hold the job. `written`: the tokens an earlier attempt wrote (its record in Redis, from the
         queue): the sequence resumes after them, and they are computed as prompt. A sequence the
-        record alone completes is returned finished, not held: the loop publishes it at once."""
+        record alone completes is returned finished, not held: the loop publishes it at once.
+        `constraint`: the job's grammar (worker/constraint.py) when it names one. ValueError: a job
+        this engine cannot write (the loop fails it alone)."""
         ...
 
     def step(self) -> list[Sequence]:

@@ -588,6 +588,11 @@ class JobQueue:
         pipe.hset(keys.tokenizer(self.model), mapping=files)
         pipe.execute()
 
+    def grammar(self, digest: str) -> Optional[str]:
+        """A constraint's grammar, as the API stored it under its hash (keys.grammar), or None."""
+        raw = self.redis.get(keys.grammar(self.model, digest))
+        return None if raw is None else raw.decode()
+
     def count_start(self) -> None:
         """One more worker process started for this model (restarts show in /metrics)."""
         self.redis.hincrby(keys.WORKER_STARTS, self.model, 1)

@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 
 from shared.protocol import Final, Job, TextDelta
+from worker.logits import changes_logits
 from worker.sampling import new_generator
 
 # Prompt tokens decoded in front of the first new token, so that tokenizers which drop a leading
@@ -15,9 +16,12 @@ _CONTEXT_TOKENS = 4
 
 
 class Sequence:
-    def __init__(self, job: Job, tokenizer, eos_ids: frozenset[int], written: Optional[list[int]] = None):
+    def __init__(self, job: Job, tokenizer, eos_ids: frozenset[int], written: Optional[list[int]] = None,
+                 constraint=None):
         """`written`: the tokens an earlier attempt at the job wrote before its worker died (its
-        record in Redis, checked by the engine): the sequence continues after them (`_resume`)."""
+        record in Redis, checked by the engine): the sequence continues after them (`_resume`).
+        `constraint`: its grammar's matcher (worker/constraint.py), which every token goes through,
+        those of the record included, so a resumed job goes on constrained."""
         self.job = job
         self.params = job.params
         self.prompt_ids = list(job.prompt_ids)
@@ -26,7 +30,11 @@ class Sequence:
         self.finish_reason: Optional[str] = None
         self.first_token_at = 0.0  # time.monotonic() of its first token: its time per output token
         self._tokenizer = tokenizer
-        self._eos_ids = frozenset() if job.params.ignore_eos else eos_ids
+        # The tokens that end it with "stop", left out of its text: end-of-text (unless ignore_eos)
+        # and the request's stop_token_ids (masked until min_tokens: worker/logits.py).
+        self.stop_ids = (frozenset() if job.params.ignore_eos else eos_ids) | frozenset(job.params.stop_token_ids)
+        self.constraint = constraint
+        self.adjusts = changes_logits(job.params)  # worker/logits.py has work on its logits
         # Text is needed token by token only to stream it or to watch for stop strings; otherwise
         # it is decoded once, at the end (a decode per token per row is a real cost at batch 64).
         self._incremental = job.stream or bool(job.params.stop)
@@ -51,19 +59,23 @@ class Sequence:
 
     def append(self, token: int) -> None:
         """Take the next token, then decide whether the sequence is finished."""
-        if token in self._eos_ids:
+        if token in self.stop_ids:
             self._finish("stop")
             return
         if not self.first_token_at:
             self.first_token_at = time.monotonic()
         self.output_ids.append(token)
+        if self.constraint is not None:
+            self.constraint.consume(token)
         if self._incremental:
             self._window.append(token)
             self.text += self._decode_new()
             if self._cut_at_stop_string():
                 self.finish_reason = "stop"  # the text ends where the stop string began
                 return
-        if len(self.output_ids) >= self.params.max_tokens:
+        if self.constraint is not None and self.constraint.done:  # the grammar is complete
+            self._finish("stop")
+        elif len(self.output_ids) >= self.params.max_tokens:
             self._finish("length")
 
     def _resume(self, written: list[int]) -> None:

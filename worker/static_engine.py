@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from transformers import DynamicCache
 
-from shared.protocol import Job
+from shared.protocol import Job, params_json
 from worker.model_loader import LoadedModel
 from worker.sampling import sample
 from worker.sequence import Sequence
@@ -59,8 +59,18 @@ def resumable(written: Optional[list[int]], job: Job, loaded: LoadedModel) -> Op
     return written
 
 
+def unsupported_params(params) -> list[str]:
+    """The parameters a job sets that only the continuous engine honours."""
+    return [name for name in params_json(params) if name not in PLAIN_PARAMS]
+
+
+# What the static engine honours: the plain sampling parameters.
+PLAIN_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
+
+
 class StaticEngine:
     name = "static"
+    features = ()  # plain sampling only (WorkerInfo.features)
 
     # transformers' model on padded batches: a row's numbers depend on the batch's padding and size.
     numerics = "static-transformers"
@@ -83,7 +93,13 @@ class StaticEngine:
     def free_slots(self) -> int:
         return 0 if self._running else self.capacity - len(self._waiting)
 
-    def add(self, job: Job, written: Optional[list[int]] = None) -> Sequence:
+    def add(self, job: Job, written: Optional[list[int]] = None, constraint=None) -> Sequence:
+        # It announces no features (WorkerInfo.features), so the API sends it no such job; one that
+        # comes all the same (an API of another version) is refused, not written unconstrained.
+        unsupported = unsupported_params(job.params)
+        if unsupported or constraint is not None:
+            raise ValueError(f"the static engine does not support {', '.join(unsupported) or 'grammar'}: "
+                             f"serve this model on the continuous engine")
         if self.free_slots() <= 0:
             raise RuntimeError("static engine: no room until the running batch ends")
         check_prompt(job.prompt_ids, self.loaded)

@@ -49,9 +49,11 @@ def resident_mb() -> int:
 
 
 class Worker:
-    def __init__(self, queue: JobQueue, engine: Engine, info: WorkerInfo, settings: Settings):
+    def __init__(self, queue: JobQueue, engine: Engine, info: WorkerInfo, settings: Settings, grammars=None):
+        """`grammars`: the worker's worker.constraint.Grammars, where its engine serves them."""
         self.queue = queue
         self.engine = engine
+        self.grammars = grammars
         self.info = info
         self.settings = settings
         self.metrics = WorkerMetrics(info.model)
@@ -177,7 +179,7 @@ class Worker:
             if self._crash_on == job.prompt_ids:  # the test hook: die as a crashing job would make us
                 os.kill(os.getpid(), signal.SIGKILL)
             try:
-                seq = self.engine.add(job, written)
+                seq = self.engine.add(job, written, self._constraint(job))
             except Exception as exc:  # one bad job fails alone; the worker and its batch go on
                 log.exception("job %s refused", job.id)
                 self.queue.fail([job.id], f"the worker could not take this request: {exc}")
@@ -189,6 +191,14 @@ class Worker:
                 complete.append(seq)
         if complete:
             self._publish(complete)
+
+    def _constraint(self, job):
+        """The job's grammar's matcher, fetched from Redis and compiled at its first use."""
+        if job.params.grammar is None:
+            return None
+        if self.grammars is None:
+            raise ValueError("this worker serves no grammars (structured output)")
+        return self.grammars.constraint(job.params.grammar)
 
     def _drop_retaken(self, job_ids: set[str]) -> None:
         """A job taken that this worker holds already: it lost the job while cut off from Redis and

@@ -11,7 +11,7 @@ import math
 import os
 import time
 
-from shared.protocol import Job
+from shared.protocol import FEATURES, Job
 from shared.settings import Settings
 from worker.continuous import kernels, linear, models
 from worker.continuous.attention import KVCache
@@ -31,6 +31,7 @@ MIB = 1 << 20
 
 class ContinuousEngine:
     name = "continuous"
+    features = FEATURES  # penalties, logprobs, prompt logprobs, grammars (WorkerInfo.features)
 
     def __init__(self, loaded: LoadedModel, model, settings: Settings, kernel=None):
         """`model`: compact model code (worker.continuous.models) holding the loaded weights;
@@ -131,13 +132,14 @@ class ContinuousEngine:
                 cost, share = (self._start_cost + cost) / 2, (self._hit_share + share) / 2
             self._start_cost, self._hit_share = cost, share
 
-    def add(self, job: Job, written: list[int] | None = None) -> Sequence:
+    def add(self, job: Job, written: list[int] | None = None, constraint=None) -> Sequence:
         check_prompt(job.prompt_ids, self.loaded)
         most = len(job.prompt_ids) + job.params.max_tokens
         if self.blocks.blocks_for(most) > self.blocks.num_blocks:
             raise ValueError(f"{most} tokens (prompt and max_tokens) do not fit in this worker's KV "
                              f"cache of {self.blocks.num_blocks * self.blocks.block_size} tokens")
-        seq = Sequence(job, self.loaded.tokenizer, self.loaded.eos_ids, resumable(written, job, self.loaded))
+        seq = Sequence(job, self.loaded.tokenizer, self.loaded.eos_ids, resumable(written, job, self.loaded),
+                       constraint)
         if not seq.finished:  # else its record completed it: nothing to compute
             self.scheduler.add(Request(seq))
         return seq

@@ -10,6 +10,7 @@ import torch
 
 from worker.continuous.attention import Chunk, KVCache, StepLayout
 from worker.continuous.request import Request, Status
+from worker.logits import adjust
 from worker.sampling import sample
 
 
@@ -20,22 +21,42 @@ class ModelRunner:
         self.cache = cache
         self.block_size = block_size
         self.device = device
+        self._masks = None  # worker.constraint.MaskFiller, made at the first constrained row
 
     @torch.inference_mode()
     def run(self, plan: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
-        """Compute the plan; returns (request, new token) for each request that reached its end."""
-        logits, sampled = self.logits(plan)
+        """Compute the plan; returns (request, new token) for each request that reached its end.
+
+        The grammar masks of the rows that get a token are computed in llguidance's threads while
+        the forward pass runs (both release Python's lock), and applied with the rows' own
+        penalties and biases before the pick (worker/logits.py)."""
+        ids, positions, step, last_rows, sampled = self._layout(plan)
+        masks = self._start_masks(sampled)
+        hidden = self.model.forward(ids, positions, self.cache, step)
         if not sampled:
             return []
-        tokens = sample(logits, [r.seq.params for r in sampled], [r.seq.generator for r in sampled], self.kernel)
+        logits = self.model.logits(hidden[last_rows])
+        seqs = [r.seq for r in sampled]
+        chosen_from = adjust(logits, seqs, masks.result() if masks is not None else None)
+        tokens = sample(chosen_from, [s.params for s in seqs], [s.generator for s in seqs], self.kernel)
         return list(zip(sampled, tokens))
 
     @torch.inference_mode()
     def logits(self, plan: list[tuple[Request, int]]) -> tuple[torch.Tensor, list[Request]]:
-        """The forward pass: next-token logits of the requests that reached their end, and who they are."""
+        """The forward pass: next-token logits of the requests that reached their end, and who they
+        are (the model's own, before any request's changes)."""
         ids, positions, step, last_rows, sampled = self._layout(plan)
         hidden = self.model.forward(ids, positions, self.cache, step)
         return (self.model.logits(hidden[last_rows]) if sampled else None), sampled
+
+    def _start_masks(self, sampled: list[Request]):
+        constraints = [r.seq.constraint for r in sampled]
+        if not any(c is not None for c in constraints):
+            return None
+        if self._masks is None:
+            from worker.constraint import MaskFiller  # llguidance: only once a grammar is served
+            self._masks = MaskFiller()
+        return self._masks.start(constraints)
 
     def _layout(self, plan):
         size = self.block_size

@@ -1,0 +1,116 @@
+"""Structured output on the worker: a request's grammar (llguidance) as a mask on every pick.
+
+The API compiles and checks a request's JSON schema, regex, choice or Lark grammar, and stores the
+grammar's text once in Redis under its hash (keys.grammar, api/grammars.py); a job carries only the
+hash. Here a worker fetches a grammar the first time a job names it, builds llguidance's matcher for
+it on this model's tokenizer and keeps that pristine matcher by hash: each request then starts
+from a copy of it (~15 µs) instead of a compile.
+
+Per step, the model runner asks `fill_masks` for the constrained rows' allowed tokens before the
+forward pass and collects them after it: llguidance computes the masks in its own threads with
+Python's lock released, while the C++ decoder computes the logits (worker/continuous/model_runner.py).
+The mask is as wide as the model's logits (tokens past the tokenizer's are never allowed), and
+worker/logits.py applies it before every path that picks (greedy, torch's top-k/top-p, the C++
+sampler). Each picked token is consumed by the matcher; once the grammar is complete and allows
+nothing more, the sequence finishes with "stop".
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Optional
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import torch
+
+log = logging.getLogger(__name__)
+
+CACHED_GRAMMARS = 256  # pristine matchers kept per worker (a game uses a handful of schemas)
+
+
+class Constraint:
+    """One request's matcher: which tokens may come next, and whether the grammar has ended."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, width: int):
+        self.matcher = matcher
+        self.width = width  # the model's logits: the mask's width
+
+    def consume(self, token: int) -> None:
+        if not self.matcher.consume_token(token):
+            # The token came from this matcher's own mask, so this is a bug (or a replayed record
+            # that does not fit the grammar): say so; the matcher's error then stops the sequence.
+            log.warning("a token the grammar does not allow: %s", self.matcher.get_error())
+
+    @property
+    def done(self) -> bool:
+        """The grammar allows nothing more (complete and stopped, or broken)."""
+        return self.matcher.is_stopped() or self.matcher.is_error()
+
+
+class Grammars:
+    """A worker's grammars: fetched by hash (`fetch`: the hash -> its text in Redis, or None),
+    compiled once on this model's tokenizer, copied for each request."""
+
+    def __init__(self, hf_tokenizer, vocab_width: int, fetch: Callable[[str], Optional[str]]):
+        self._hf_tokenizer = hf_tokenizer
+        self._width = vocab_width
+        self._fetch = fetch
+        self._tokenizer: Optional[llguidance.LLTokenizer] = None  # built at the first grammar (~0.3 s)
+        self._matchers: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def constraint(self, digest: str) -> Constraint:
+        """A new request's constraint; ValueError if the grammar is gone or does not compile."""
+        with self._lock:
+            pristine = self._matchers.get(digest)
+            if pristine is None:
+                pristine = self._compile(digest)
+                self._matchers[digest] = pristine
+                while len(self._matchers) > CACHED_GRAMMARS:
+                    self._matchers.popitem(last=False)
+            self._matchers.move_to_end(digest)
+            return Constraint(pristine.deep_copy(), self._width)
+
+    def _compile(self, digest: str) -> llguidance.LLMatcher:
+        text = self._fetch(digest)
+        if text is None:
+            raise ValueError(f"grammar {digest[:12]}... is not in Redis (expired, or the API that "
+                             f"stored it used another Redis)")
+        if self._tokenizer is None:
+            self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self._width)
+        matcher = llguidance.LLMatcher(self._tokenizer, text)
+        if matcher.is_error():
+            raise ValueError(f"grammar {digest[:12]}... does not compile: {matcher.get_error()}")
+        return matcher
+
+
+class MaskFiller:
+    """Computes the constrained rows' masks in the background while the step's forward pass runs."""
+
+    def __init__(self):
+        self._executor = llguidance.LLExecutor()
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
+
+    def start(self, constraints: list[Optional[Constraint]]) -> Optional[Future]:
+        """A future of the [rows, words] bitmask for `constraints` (one per row that will get a token;
+        None where unconstrained, whose words stay all ones), or None when no row is constrained."""
+        rows = [(c.matcher, i) for i, c in enumerate(constraints) if c is not None]
+        if not rows:
+            return None
+        width = next(c.width for c in constraints if c is not None)
+        bitmask = torch.full(llguidance.torch.get_bitmask_shape(len(constraints), width), -1,
+                             dtype=torch.int32)
+        return self._thread.submit(self._fill, rows, bitmask)
+
+    def _fill(self, rows, bitmask: torch.Tensor) -> torch.Tensor:
+        llguidance.torch.fill_next_token_bitmask_par(self._executor, rows, bitmask)
+        return bitmask
+
+
+def apply_mask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """-inf on the tokens the mask disallows, in place (float32 logits)."""
+    llguidance.torch.apply_token_bitmask_inplace(logits, bitmask)
