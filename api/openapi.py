@@ -11,24 +11,7 @@ from api.batch_store import COMPLETION_WINDOWS
 from api.batches import MAX_METADATA, MAX_METADATA_KEY, MAX_METADATA_VALUE
 from api.errors import _TYPES as ERROR_TYPES
 from api.file_store import PURPOSE_INPUT
-from api.validation import (CHAT_ROLES, MAX_CHOICES, MAX_MESSAGES, MAX_PROMPTS, MAX_STOP_CHARS, MAX_STOPS,
-                            MAX_TOTAL_CHOICES)
-from shared.protocol import PRIORITY_DEFAULT, PRIORITY_MAX, PRIORITY_MIN
-
-# A seed is offset by the choice index and must still fit in 64 bits (see validation._sampling).
-SEED_LIMIT = 2**63 - MAX_CHOICES - 1
-
-
-def _ref(kind: str, name: str) -> dict:
-    return {"$ref": f"#/components/{kind}/{name}"}
-
-
-def _nullable(schema: dict, description: str = "") -> dict:
-    """An optional field: null means the same as leaving it out."""
-    out = {"anyOf": [schema, {"type": "null"}]}
-    if description:
-        out["description"] = description
-    return out
+from api.openapi_requests import constraint_schemas, nullable as _nullable, ref as _ref, request_schemas
 
 
 def _error_response(description: str, retry_after: str = "") -> dict:
@@ -46,8 +29,10 @@ def _responses() -> dict:
     return {
         "BadRequest": _error_response(
             "A field is wrong: `param` names it (e.g. `prompt`, `messages[2].content`, `stop`); "
-            "`code` is `invalid_type`, `invalid_value`, `missing_required_parameter`, `invalid_json` "
-            "or `context_length_exceeded` (the prompt leaves no room to write)."),
+            "`code` is `invalid_type`, `invalid_value`, `missing_required_parameter`, `invalid_json`, "
+            "`context_length_exceeded` (the prompt leaves no room to write), `unknown_parameter` (a field "
+            "this API does not know) or `unsupported_parameter` (a field this server, or the workers "
+            "serving the model, cannot honour, at a value that asks for something)."),
         "Unauthorized": _error_response(
             "API keys are configured and the request has no valid `Authorization: Bearer <key>` "
             "(`code`: `invalid_api_key`)."),
@@ -90,89 +75,51 @@ def _error_schemas() -> dict:
     }
 
 
-def _sampling_properties() -> dict:
-    """The fields completions and chat share."""
-    return {
-        "model": {"type": "string", "description": "a model served here: see GET /v1/models"},
-        "max_tokens": _nullable({"type": "integer", "minimum": 1},
-                                "most tokens to write (completions: 16 when left out; chat: all the room). "
-                                "More than the model's context window is a 400; more than the room the "
-                                "prompt leaves is cut to that room."),
-        "temperature": _nullable({"type": "number", "minimum": 0, "maximum": 2}, "0 is greedy; default 1"),
-        "top_p": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1}, "default 1"),
-        "top_k": _nullable({"type": "integer", "minimum": -1}, "-1 or 0: off (default)"),
-        "n": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_CHOICES},
-                       f"choices per prompt (default 1); completions: n x prompts at most {MAX_TOTAL_CHOICES}"),
-        "stop": _nullable({"anyOf": [
-            _ref("schemas", "StopSequence"),
-            {"type": "array", "maxItems": MAX_STOPS, "items": _ref("schemas", "StopSequence")},
-        ]}, "text that ends a choice (not included in it)"),
-        "seed": _nullable({"type": "integer", "minimum": -SEED_LIMIT, "maximum": SEED_LIMIT},
-                          "same seed, same text (choice i uses seed + i)"),
-        "stream": _nullable({"type": "boolean"}, "answer as server-sent events (default false)"),
-        "stream_options": _nullable({
-            "type": "object",
-            "properties": {"include_usage": _nullable({"type": "boolean"},
-                                                      "a last chunk with the usage, before [DONE]")}}),
-        "user": _nullable({"type": "string"}, "accepted for OpenAI's clients; unused"),
-        "ignore_eos": _nullable({"type": "boolean"}, "keep writing past end-of-text (vLLM's field)"),
-        "priority": _nullable({"type": "integer", "minimum": PRIORITY_MIN, "maximum": PRIORITY_MAX},
-                              f"lower is served first (vLLM's field); default {PRIORITY_DEFAULT}"),
-    }
-
-
-def _request_schemas() -> dict:
-    token_ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0},
-                 "description": "token ids, each below the model's vocabulary size"}
-    text_part = {"type": "object", "required": ["type", "text"],
-                 "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
-    sampling = _sampling_properties()
-    return {
-        "StopSequence": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
-        "TokenIds": token_ids,
-        "Prompt": {
-            "description": "a string, token ids, or an array of either: one prompt each",
-            "anyOf": [
-                {"type": "string", "minLength": 1},
-                _ref("schemas", "TokenIds"),
-                {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS,
-                 "items": {"anyOf": [{"type": "string", "minLength": 1}, _ref("schemas", "TokenIds")]}},
-            ]},
-        "Message": {
-            "type": "object", "required": ["role", "content"],
-            "properties": {
-                "role": {"type": "string", "enum": list(CHAT_ROLES)},
-                "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": text_part}],
-                            "description": "text, or text parts (joined)"},
-            }},
-        "CompletionRequest": {
-            "type": "object", "required": ["model", "prompt"],
-            "properties": {**sampling, "prompt": _ref("schemas", "Prompt")},
-        },
-        "ChatCompletionRequest": {
-            "type": "object", "required": ["model", "messages"],
-            "properties": {
-                **sampling,
-                "messages": {"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES,
-                             "items": _ref("schemas", "Message"),
-                             "description": "rendered with the model's chat template"},
-                "max_completion_tokens": _nullable({"type": "integer", "minimum": 1},
-                                                   "OpenAI's newer name for max_tokens; wins when both are given"),
-            },
-        },
-    }
-
-
 def _answer_schemas() -> dict:
     count = {"type": "integer", "minimum": 0}
-    finish = {"type": ["string", "null"], "enum": ["stop", "length", None]}
+    finish = {"type": ["string", "null"], "enum": ["stop", "length", "tool_calls", None],
+              "description": "stop: end-of-text, a stop string or token, or a constraint's end; length: "
+                             "max_tokens or the context window; tool_calls: the reply is a call"}
+    logprob = {"type": "number", "maximum": 0}
+    completion_logprobs = {
+        "description": "with `logprobs`: per token of `text` (with `echo`, the prompt's first), its text, "
+                       "log-probability (null for the prompt's first), the likeliest tokens' and where it "
+                       "starts in `text`",
+        "anyOf": [{"type": "null"}, {
+            "type": "object", "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
+            "properties": {"tokens": {"type": "array", "items": {"type": "string"}},
+                           "token_logprobs": {"type": "array", "items": {"anyOf": [logprob, {"type": "null"}]}},
+                           "top_logprobs": {"type": "array", "items": {"anyOf": [
+                               {"type": "object", "additionalProperties": logprob}, {"type": "null"}]}},
+                           "text_offset": {"type": "array", "items": count}}}]}
     completion_choice = {"type": "object", "required": ["text", "index", "finish_reason"],
                          "properties": {"text": {"type": "string"}, "index": count,
-                                        "logprobs": {"type": "null"}, "finish_reason": finish}}
+                                        "logprobs": completion_logprobs, "finish_reason": finish}}
+    token_bytes = {"type": ["array", "null"], "items": {"type": "integer", "minimum": 0, "maximum": 255}}
+    top = {"type": "object", "required": ["token", "logprob", "bytes"],
+           "properties": {"token": {"type": "string"}, "logprob": logprob, "bytes": token_bytes}}
+    chat_logprobs = {
+        "description": "with `logprobs: true`: per token written, its text, log-probability, bytes (UTF-8) "
+                       "and the `top_logprobs` likeliest",
+        "anyOf": [{"type": "null"}, {
+            "type": "object", "required": ["content"],
+            "properties": {"content": {"type": ["array", "null"], "items": {
+                "type": "object", "required": ["token", "logprob", "bytes", "top_logprobs"],
+                "properties": {**top["properties"], "top_logprobs": {"type": "array", "items": top}}}},
+                "refusal": {"type": ["array", "null"]}}}]}
     message = {"type": "object", "required": ["role", "content"],
-               "properties": {"role": {"type": "string", "enum": ["assistant"]}, "content": {"type": "string"}}}
+               "properties": {"role": {"type": "string", "enum": ["assistant"]},
+                              "content": {"type": ["string", "null"], "description": "null beside tool_calls"},
+                              "tool_calls": {"type": "array", "items": _ref("schemas", "ToolCall")}}}
+    tool_call_delta = {"type": "object", "required": ["index"],
+                       "properties": {"index": count, "id": {"type": "string"},
+                                      "type": {"type": "string", "enum": ["function"]},
+                                      "function": {"type": "object",
+                                                   "properties": {"name": {"type": "string"},
+                                                                  "arguments": {"type": "string"}}}}}
     delta = {"type": "object", "properties": {"role": {"type": "string", "enum": ["assistant"]},
-                                              "content": {"type": "string"}}}
+                                              "content": {"type": ["string", "null"]},
+                                              "tool_calls": {"type": "array", "items": tool_call_delta}}}
 
     def envelope(object_name: str, choice: dict, usage_required: bool) -> dict:
         return {"type": "object",
@@ -183,12 +130,15 @@ def _answer_schemas() -> dict:
 
     def chat_choice(body_name: str, body: dict) -> dict:
         return {"type": "object", "required": ["index", body_name, "finish_reason"],
-                "properties": {"index": count, body_name: body, "logprobs": {"type": "null"},
+                "properties": {"index": count, body_name: body, "logprobs": chat_logprobs,
                                "finish_reason": finish}}
 
     return {
         "Usage": {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-                  "properties": {"prompt_tokens": count, "completion_tokens": count, "total_tokens": count}},
+                  "properties": {"prompt_tokens": count, "completion_tokens": count, "total_tokens": count,
+                                 "prompt_tokens_details": {
+                                     "type": "object", "properties": {"cached_tokens": {
+                                         **count, "description": "prompt tokens the prefix cache held"}}}}},
         "Completion": envelope("text_completion", completion_choice, usage_required=True),
         "ChatCompletion": envelope("chat.completion", chat_choice("message", message), usage_required=True),
         # Streamed: a chunk per piece of text; with include_usage, a last chunk with no choices and the usage.
@@ -354,7 +304,8 @@ def document() -> dict:
                                                 {"application/json": {"schema": {"type": "object"}}}, "500")},
         },
         "components": {
-            "schemas": {**_error_schemas(), **_request_schemas(), **_answer_schemas(), **_batch_schemas()},
+            "schemas": {**_error_schemas(), **request_schemas(), **constraint_schemas(),
+                        **_answer_schemas(), **_batch_schemas()},
             "responses": _responses(),
             "securitySchemes": {"bearer": {
                 "type": "http", "scheme": "bearer",
