@@ -1,0 +1,112 @@
+"""Structured output on the worker (worker/constraint.py): a grammar's mask on every pick of the
+continuous engine, on a tiny random model whose free text is noise, so only the mask makes it JSON."""
+from __future__ import annotations
+
+import hashlib
+import json
+
+import jsonschema
+import llguidance
+import pytest
+
+from shared.protocol import Job, SamplingParams
+from shared.settings import Settings
+from worker.constraint import Grammars
+from worker.continuous import engine as continuous
+from worker.model_loader import load
+
+SCHEMA = {"type": "object",
+          "properties": {"mood": {"enum": ["grumpy", "happy", "sly"]},
+                         "gold": {"type": "integer", "minimum": 0, "maximum": 40},
+                         "line": {"type": "string", "maxLength": 12}},
+          "required": ["mood", "gold", "line"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model_dirs):
+    return load(tiny_model_dirs["llama"], dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def engine(loaded):
+    settings = Settings(block_size=4, kv_blocks=512, max_batch_tokens=64, batch=0)
+    return continuous.build(loaded, settings, loaded.model.state_dict(), loaded.model.config)
+
+
+def stored(*grammars: str) -> dict[str, str]:
+    """Grammar texts by their hash, as the API stores them in Redis."""
+    return {hashlib.sha256(g.encode()).hexdigest(): g for g in grammars}
+
+
+# Compact JSON, as the API asks (api/grammars.py): with free whitespace a random model writes newlines.
+JSON = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(SCHEMA), defaults={"whitespace_flexible": False})
+CHOICE = llguidance.LLMatcher.grammar_from_regex("(north|south|east|west)")
+STORE = stored(JSON, CHOICE)
+JSON_ID, CHOICE_ID = list(STORE)
+
+
+@pytest.fixture(scope="module")
+def grammars(loaded):
+    return Grammars(loaded.tokenizer, loaded.vocab_size, STORE.get)
+
+
+def job(i: int, grammar: str, **params) -> Job:
+    params = {"max_tokens": 120, "temperature": 1.0, "seed": i, "grammar": grammar, **params}
+    return Job(id=f"j{i}", model="m", prompt_ids=[5 + i % 7, 9, 11], params=SamplingParams(**params), timeout_s=60)
+
+
+def run(engine, seqs):
+    steps = 0
+    while engine.busy:
+        engine.step()
+        steps += 1
+        assert steps < 2000
+    return seqs
+
+
+def test_sampled_replies_in_a_crowd_all_match_their_schema(engine, grammars):
+    seqs = [engine.add(job(i, JSON_ID if i % 2 else CHOICE_ID, top_p=0.95 if i % 3 else 1.0),
+                       constraint=grammars.constraint(JSON_ID if i % 2 else CHOICE_ID)) for i in range(24)]
+    run(engine, seqs)
+    for seq in seqs:
+        assert seq.finish_reason == "stop", seq.text
+        if seq.params.grammar == JSON_ID:
+            jsonschema.validate(json.loads(seq.text), SCHEMA)
+        else:
+            assert seq.text in ("north", "south", "east", "west")
+    assert len({s.text for s in seqs if s.params.grammar == JSON_ID}) > 1  # sampled, not one fixed reply
+
+
+def test_greedy_replies_are_constrained_too(engine, grammars):
+    seq = engine.add(job(1, JSON_ID, temperature=0), constraint=grammars.constraint(JSON_ID))
+    run(engine, [seq])
+    jsonschema.validate(json.loads(seq.text), SCHEMA)
+
+
+def test_a_reply_cut_by_max_tokens_ends_with_length(engine, grammars):
+    seq = engine.add(job(2, JSON_ID, max_tokens=3), constraint=grammars.constraint(JSON_ID))
+    run(engine, [seq])
+    assert seq.finish_reason == "length" and len(seq.output_ids) == 3 and seq.text.startswith("{")
+
+
+def test_a_resumed_job_replays_its_record_through_the_matcher_and_goes_on_constrained(engine, grammars):
+    whole = run(engine, [engine.add(job(3, JSON_ID), constraint=grammars.constraint(JSON_ID))])[0]
+    written = whole.output_ids[:len(whole.output_ids) // 2]
+    resumed = engine.add(job(3, JSON_ID), written, constraint=grammars.constraint(JSON_ID))
+    assert resumed.resumed == len(written)
+    run(engine, [resumed])
+    assert resumed.output_ids == whole.output_ids and resumed.text == whole.text  # same seed, same draws
+    jsonschema.validate(json.loads(resumed.text), SCHEMA)
+
+
+def test_grammars_are_compiled_once_and_copied_per_request(loaded):
+    fetched = []
+    grammars = Grammars(loaded.tokenizer, loaded.vocab_size, lambda d: fetched.append(d) or STORE.get(d))
+    first, second = grammars.constraint(JSON_ID), grammars.constraint(JSON_ID)
+    assert fetched == [JSON_ID] and first.matcher is not second.matcher
+
+
+def test_a_grammar_missing_from_redis_is_a_clear_error(loaded):
+    grammars = Grammars(loaded.tokenizer, loaded.vocab_size, lambda d: None)
+    with pytest.raises(ValueError, match="not in Redis"):
+        grammars.constraint("ab" * 32)
