@@ -174,3 +174,54 @@ def test_a_model_with_dense_weights_is_batch_invariant_too(dtype):
         while single.busy:
             single.step()
         assert seq.output_ids == seqs[job.id].output_ids, job.id
+
+
+def test_penalties_and_grammars_keep_the_crowd_equal_to_alone(smollm2):
+    """With penalties, biases, min_p and grammar masks on, each row still writes what it writes alone:
+    they change its own logits only (worker/logits.py), and the mask is the row's own matcher's."""
+    import hashlib
+    import json
+
+    import llguidance
+
+    from worker.constraint import Grammars
+
+    schema = {"type": "object", "properties": {"mood": {"enum": ["grumpy", "happy"]},
+                                               "gold": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "line": {"type": "string", "maxLength": 30}},
+              "required": ["mood", "gold", "line"], "additionalProperties": False}
+    texts = [llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults={"whitespace_flexible": False}),
+             llguidance.LLMatcher.grammar_from_regex("(yes|no|maybe), because [a-z ]{1,20}\\.")]
+    store = {hashlib.sha256(t.encode()).hexdigest(): t for t in texts}
+    grammars = Grammars(smollm2.tokenizer, smollm2.vocab_size, store.get)
+    digests = list(store)
+    extras = [dict(presence_penalty=0.8, frequency_penalty=0.4), dict(repetition_penalty=1.3),
+              dict(logit_bias={"29": 5.0, "30": -100.0}), dict(min_p=0.1), dict(grammar=digests[0]),
+              dict(grammar=digests[1], frequency_penalty=0.5), dict(min_tokens=6, stop_token_ids=[30]), dict()]
+    jobs = [(step, Job(id=job.id, model="m", prompt_ids=job.prompt_ids, timeout_s=300, stream=job.stream,
+                       params=SamplingParams(**{**vars(job.params), "max_tokens": 24 if i % 8 in (4, 5) else 10,
+                                                "ignore_eos": i % 8 not in (4, 5), **extras[i % 8]})))
+            for i, (step, job) in enumerate(_crowd(smollm2, 40, seed=6))]
+
+    def add(engine, job, written=None):
+        constraint = grammars.constraint(job.params.grammar) if job.params.grammar else None
+        return engine.add(job, written, constraint)
+
+    crowd_engine, pending, seqs, step = _engine(smollm2), sorted(jobs, key=lambda item: item[0]), {}, 0
+    while pending or crowd_engine.busy:
+        while pending and pending[0][0] <= step:
+            job = pending.pop(0)[1]
+            seqs[job.id] = add(crowd_engine, job)
+        crowd_engine.step()
+        step += 1
+    lone = _engine(smollm2, prefix_caching=False)
+    differ = []
+    for _, job in jobs:
+        seq = add(lone, job)
+        while lone.busy:
+            lone.step()
+        if (seq.output_ids, seq.text) != (seqs[job.id].output_ids, seqs[job.id].text):
+            differ.append(job.id)
+        if job.params.grammar == digests[0] and seq.finish_reason == "stop":
+            assert set(json.loads(seq.text)) == {"mood", "gold", "line"}
+    assert not differ, f"{len(differ)} of {len(jobs)} wrote other text than alone: {differ}"
