@@ -81,16 +81,18 @@ def _post(url: str, body: dict, timeout: float):
     return urllib.request.urlopen(req, timeout=timeout)
 
 
-def _body(model: str, prompt: str, tokens: int, temperature: float, ignore_eos: bool) -> dict:
+def _body(model: str, prompt: str, tokens: int, temperature: float, ignore_eos: bool,
+          extra: Optional[dict] = None) -> dict:
+    """`extra`: more request fields (a response_format, penalties...)."""
     return {"model": model, "prompt": prompt, "max_tokens": tokens,
-            "temperature": temperature, "ignore_eos": ignore_eos}
+            "temperature": temperature, "ignore_eos": ignore_eos, **(extra or {})}
 
 
 def complete(url: str, model: str, prompt: str, tokens: int, temperature: float,
-             ignore_eos: bool, timeout: float) -> Outcome:
+             ignore_eos: bool, timeout: float, extra: Optional[dict] = None) -> Outcome:
     """One whole completion; raises one of REQUEST_ERRORS on failure."""
     sent = time.perf_counter()
-    with _post(url, _body(model, prompt, tokens, temperature, ignore_eos), timeout) as resp:
+    with _post(url, _body(model, prompt, tokens, temperature, ignore_eos, extra), timeout) as resp:
         reply = json.loads(resp.read())
     # Stop the clock only after the whole body is read: that is what a player waits for.
     done = time.perf_counter()
@@ -125,7 +127,7 @@ def chunk_text(chunk: dict) -> str:
 
 def stream_complete(url: str, model: str, prompt: str, tokens: int, temperature: float,
                     ignore_eos: bool, timeout: float,
-                    stop: Optional[threading.Event] = None) -> Outcome:
+                    stop: Optional[threading.Event] = None, extra: Optional[dict] = None) -> Outcome:
     """One streamed completion, timing each chunk that carries text.
 
     Tokens are counted from the usage chunk (stream_options.include_usage), as with a whole
@@ -133,7 +135,7 @@ def stream_complete(url: str, model: str, prompt: str, tokens: int, temperature:
     at the next chunk, which cancels the request on a server that notices disconnects, and
     the outcome comes back marked cancelled.
     """
-    body = _body(model, prompt, tokens, temperature, ignore_eos)
+    body = _body(model, prompt, tokens, temperature, ignore_eos, extra)
     body.update(stream=True, stream_options={"include_usage": True})
     times: list[float] = []
     usage = None
@@ -160,8 +162,8 @@ def stream_complete(url: str, model: str, prompt: str, tokens: int, temperature:
 
 def request(url: str, model: str, prompt: str, tokens: int, *, temperature: float = 0.8,
             ignore_eos: bool = True, timeout: float = 600, stream: bool = False,
-            stop: Optional[threading.Event] = None) -> Outcome:
+            stop: Optional[threading.Event] = None, extra: Optional[dict] = None) -> Outcome:
     """complete() or stream_complete(), by `stream`."""
     if stream:
-        return stream_complete(url, model, prompt, tokens, temperature, ignore_eos, timeout, stop)
-    return complete(url, model, prompt, tokens, temperature, ignore_eos, timeout)
+        return stream_complete(url, model, prompt, tokens, temperature, ignore_eos, timeout, stop, extra)
+    return complete(url, model, prompt, tokens, temperature, ignore_eos, timeout, extra)

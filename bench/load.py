@@ -59,10 +59,11 @@ def summarize(players: int, outcomes: list[Outcome], errors: list[str], seconds:
 def run_crowd(url: str, model: str, players: int, requests: int = 4, tokens: int = 100, *,
               temperature: float = 0.8, ignore_eos: bool = True, timeout: float = 600,
               seed: int = 0, progress: bool = True, shape: RequestShape | None = None,
-              stream: bool = False) -> dict:
+              stream: bool = False, extra=None) -> dict:
     """Let `players` threads each send `requests` completions back to back and return one row
     of results. Each request is drawn from `shape` (default: the classic short prompt and
-    exactly `tokens` tokens), with player i's own random.Random(seed + i)."""
+    exactly `tokens` tokens), with player i's own random.Random(seed + i); `extra(rng)`, when
+    given, draws more fields for it (bench/structured.py: one of its schemas)."""
     shape = shape or RequestShape.fixed(tokens)
     url, lock, go = url.rstrip("/"), threading.Lock(), threading.Event()
     done: list[Outcome] = []
@@ -75,9 +76,10 @@ def run_crowd(url: str, model: str, players: int, requests: int = 4, tokens: int
         go.wait()
         for _ in range(requests):
             prompt, max_tokens = shape.draw(rng)
+            fields = extra(rng) if extra else None
             try:
                 result = request(url, model, prompt, max_tokens, temperature=temperature,
-                                 ignore_eos=ignore_eos, timeout=timeout, stream=stream)
+                                 ignore_eos=ignore_eos, timeout=timeout, stream=stream, extra=fields)
             except REQUEST_ERRORS as exc:
                 with lock:
                     errors.append(describe_error(exc))
