@@ -150,6 +150,11 @@ def tokenizer(model: str) -> str:
     return f"{model_prefix(model)}tokenizer"
 
 
+# Seconds a stored grammar outlives its last use (keys.grammar): far beyond any job's wait, so a
+# queued or resumed job always finds its grammar.
+GRAMMAR_TTL_S = 3600
+
+
 def grammar(model: str, digest: str) -> str:
     """String: a constraint's grammar (llguidance's JSON form, api/grammars.py), stored by the API
     under the sha256 `digest` of its text, which the jobs that use it carry (params.grammar): it

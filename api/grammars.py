@@ -1,0 +1,241 @@
+"""Structured output at the API: a request's constraint as an llguidance grammar, checked against
+the model's tokenizer before any job is queued, and stored once in Redis under its hash.
+
+A request has at most one constraint:
+- `response_format`: {"type": "json_object"} (any JSON object) or {"type": "json_schema",
+  "json_schema": {"name", "schema", "strict", "description"}} ({"type": "text"}: none);
+- `structured_outputs`, in vLLM's names: exactly one of `json` (a JSON Schema, as an object or its
+  text), `regex`, `choice` (a list of strings), `grammar` (Lark as llguidance reads it, or GBNF,
+  told apart by its `::=`), `json_object` (true);
+- `tools` with tool_choice "auto", "required" or a named function (api/tools.py says what each allows).
+
+The grammar text is what llguidance.LLMatcher takes (LLMatcher.grammar_from_json_schema /
+grammar_from_lark / grammar_from_regex); its sha256 hex is `params.grammar`, and the text lies at
+keys.grammar(model, digest) for GRAMMAR_TTL_S after its last use: it crosses Redis once, not in
+every job, and the worker compiles it once per digest (with its own logit width).
+
+JSON is written compact (no whitespace between tokens, llguidance's whitespace_flexible off), so
+a small model cannot wander into endless blank lines; a schema's own "x-guidance" options
+(llguidance's, e.g. {"whitespace_flexible": true}) override that. `strict` changes nothing: every
+schema is enforced.
+
+Cost (SmolLM2's 49,152 tokens, this machine): a typical schema checks in ~0.5 ms, a 25 KB one in
+~9 ms, a 130 KB one in ~48 ms, so a grammar is at most MAX_GRAMMAR_BYTES (~25 ms); llguidance drops
+Python's lock while it checks, and under gevent a large one is checked on gevent's thread pool, so
+the process' other players go on meanwhile. The LLTokenizer it checks against is built once per
+tokenizer (api/tokenizers.py, ~0.3 s).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import threading
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional
+
+import llguidance
+from llguidance.gbnf_to_lark import gbnf_to_lark
+
+from api import tools
+from api.errors import ApiError, bad_request
+from shared import keys
+
+MAX_GRAMMAR_BYTES = 64 * 1024  # a grammar's text at most (a schema's JSON, a regex, a Lark grammar)
+OFF_LOOP_BYTES = 8 * 1024      # from this size on, a check leaves gevent's loop (~3 ms and up)
+MAX_CHECKED = 4096             # grammars remembered as good, per tokenizer
+JSON_DEFAULTS = {"whitespace_flexible": False}
+SCHEMA_NAME_MAX = 64
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+JSON_SCHEMA_FIELDS = ("name", "schema", "strict", "description")
+
+
+@dataclass(frozen=True)
+class Grammar:
+    text: str    # what llguidance.LLMatcher takes as its grammar
+    digest: str  # sha256 hex of the text: params.grammar, and the Redis key's last part
+
+
+def for_request(req, tokenizer, tool_spec: Optional[tools.ToolSpec]) -> Optional[Grammar]:
+    """The request's constraint, compiled and checked, or None; a 400 naming the field otherwise.
+    `req` is an api.validation.CompletionRequest, `tokenizer` an api.tokenizers.Tokenizer."""
+    given = [name for name, value in (("response_format", req.response_format),
+                                      ("structured_outputs", req.structured_outputs),
+                                      ("tools", tool_spec)) if value is not None]
+    if len(given) > 1:
+        raise bad_request(f"'{given[0]}' and '{given[1]}' cannot be used together: a reply follows "
+                          f"one constraint (with tools, leave tool_choice \"none\" to use "
+                          f"'{given[0]}')", param=given[1], code="invalid_value")
+    if not given:
+        return None
+    if tool_spec is not None:
+        return _tools(tool_spec, tokenizer)
+    if req.response_format is not None:
+        text, param = _response_format(req.response_format)
+    else:
+        text, param = _structured_outputs(req.structured_outputs)
+    return check(text, param, tokenizer)
+
+
+def _json_grammar(schema, param: str) -> str:
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
+    except (ValueError, TypeError) as exc:
+        raise bad_request(f"'{param}' is not a JSON Schema object: {exc}", param=param, code="invalid_value")
+
+
+def _response_format(response_format: dict) -> tuple[str, str]:
+    kind = response_format["type"]  # json_object or json_schema (api/validation.py checked it)
+    _only_fields(response_format, ("type", "json_schema") if kind == "json_schema" else ("type",),
+                 "response_format")
+    if kind == "json_object":
+        return _json_grammar({"type": "object"}, "response_format"), "response_format"
+    spec = response_format["json_schema"]
+    where = "response_format.json_schema"
+    _only_fields(spec, JSON_SCHEMA_FIELDS, where)
+    name = spec.get("name")
+    if not (isinstance(name, str) and 0 < len(name) <= SCHEMA_NAME_MAX
+            and tools.NAME_PATTERN.fullmatch(name)):
+        raise bad_request(f"'{where}.name' must be 1-{SCHEMA_NAME_MAX} letters, digits, '_' or '-', got {name!r}",
+                          param=f"{where}.name",
+                          code="missing_required_parameter" if name is None else "invalid_value")
+    for field, kind_ok, what in (("strict", bool, "a boolean"), ("description", str, "a string")):
+        if spec.get(field) is not None and not isinstance(spec[field], kind_ok):
+            raise bad_request(f"'{where}.{field}' must be {what}", param=f"{where}.{field}", code="invalid_type")
+    schema = spec.get("schema")
+    if schema is None:  # OpenAI's schema is optional: any JSON object then
+        schema = {"type": "object"}
+    if not isinstance(schema, dict):
+        raise bad_request(f"'{where}.schema' must be a JSON Schema object", param=f"{where}.schema",
+                          code="invalid_type")
+    return _json_grammar(schema, f"{where}.schema"), f"{where}.schema"
+
+
+def _structured_outputs(options: dict) -> tuple[str, str]:
+    for key in options:
+        if key not in STRUCTURED_KINDS:
+            raise bad_request(f"'structured_outputs.{key}' is not supported by this server (it takes one of "
+                              f"{', '.join(STRUCTURED_KINDS)})", param=f"structured_outputs.{key}",
+                              code="unsupported_parameter")
+    kinds = [k for k in STRUCTURED_KINDS if options.get(k) not in (None, False)]
+    if len(kinds) != 1:
+        raise bad_request(f"'structured_outputs' must set exactly one of {', '.join(STRUCTURED_KINDS)}, "
+                          f"got {', '.join(kinds) or 'none'}", param="structured_outputs", code="invalid_value")
+    kind = kinds[0]
+    value, param = options[kind], f"structured_outputs.{kind}"
+
+    def wrong(what: str):
+        return bad_request(f"'{param}' must be {what}", param=param, code="invalid_type")
+
+    if kind == "json_object":
+        if value is not True:
+            raise wrong("true")
+        return _json_grammar({"type": "object"}, param), param
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise bad_request(f"'{param}' is not valid JSON: {exc}", param=param, code="invalid_value")
+        if not isinstance(value, dict):
+            raise wrong("a JSON Schema (an object, or its JSON text)")
+        return _json_grammar(value, param), param
+    if kind == "regex":
+        if not isinstance(value, str) or not value:
+            raise wrong("a non-empty string (a regular expression)")
+        return llguidance.LLMatcher.grammar_from_regex(value), param
+    if kind == "choice":
+        if not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
+            raise wrong("a non-empty array of non-empty strings")
+        # A Lark string literal reads JSON's escapes.
+        return llguidance.LLMatcher.grammar_from_lark(
+            "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value)), param
+    if not isinstance(value, str) or not value.strip():
+        raise wrong("a non-empty string (a Lark or GBNF grammar)")
+    if "::=" in value:  # GBNF (llama.cpp's); Lark writes rules with ':'
+        try:
+            value = gbnf_to_lark(value)
+        except Exception as exc:  # the converter raises its own error kinds
+            raise bad_request(f"'{param}' is not a GBNF grammar llguidance can read: {exc}", param=param,
+                              code="invalid_value")
+    return llguidance.LLMatcher.grammar_from_lark(value), param
+
+
+def _only_fields(obj: dict, known: tuple, where: str) -> None:
+    for key in obj:
+        if key not in known:
+            raise bad_request(f"Unrecognized argument supplied: '{where}.{key}'", param=f"{where}.{key}",
+                              code="unknown_parameter")
+
+
+def _tools(tool_spec: tools.ToolSpec, tokenizer) -> Grammar:
+    """A call of the allowed functions, or (auto) text or a call; a parameter schema that does not
+    compile is named by its place in `tools`."""
+    schema = {**tools.call_schema(tool_spec), "x-guidance": JSON_DEFAULTS}
+    if tool_spec.required:
+        text = _json_grammar(schema, "tools")
+    else:  # text that does not start with "{" (after whitespace), or a call, which may follow some
+        text = llguidance.LLMatcher.grammar_from_lark(
+            "start: TEXT | call\n"
+            "TEXT: /[ \\t\\r\\n]*[^{ \\t\\r\\n][\\s\\S]*/\n"
+            "WS: /[ \\t\\r\\n]+/\n"
+            f"call: WS? %json {json.dumps(schema)}\n")
+    try:
+        return check(text, "tools", tokenizer)
+    except ApiError:
+        for i, function in enumerate(tool_spec.functions):  # which function's schema is at fault
+            param = f"tools[{i}].function.parameters"
+            check(_json_grammar(function["parameters"], param), param, tokenizer)
+        raise
+
+
+# Checking -------------------------------------------------------------------------------------
+
+_checked: "weakref.WeakKeyDictionary[object, OrderedDict]" = weakref.WeakKeyDictionary()
+_checked_lock = threading.Lock()
+
+
+def check(text: str, param: str, tokenizer) -> Grammar:
+    """The grammar if llguidance compiles it for the tokenizer; else a 400 naming `param`."""
+    size = len(text.encode())
+    if size > MAX_GRAMMAR_BYTES:
+        raise bad_request(f"'{param}' makes a grammar of {size} bytes, more than this server's "
+                          f"{MAX_GRAMMAR_BYTES}", param=param, code="invalid_value")
+    grammar = Grammar(text, hashlib.sha256(text.encode()).hexdigest())
+    with _checked_lock:
+        good = _checked.setdefault(tokenizer, OrderedDict())
+        if grammar.digest in good:
+            good.move_to_end(grammar.digest)
+            return grammar
+    ll_tokenizer = tokenizer.llguidance()
+    validate = llguidance.LLMatcher.validate_grammar
+    error = _off_loop(validate, text, ll_tokenizer) if size >= OFF_LOOP_BYTES else validate(text, ll_tokenizer)
+    if error:
+        raise bad_request(f"'{param}' cannot be compiled: {error.strip()[:1000]}", param=param,
+                          code="invalid_value")
+    with _checked_lock:
+        good[grammar.digest] = True
+        while len(good) > MAX_CHECKED:
+            good.popitem(last=False)
+    return grammar
+
+
+def _off_loop(function, *args):
+    """`function(*args)` on a real thread when gevent has patched this process (gunicorn's gevent
+    worker), so its other greenlets run meanwhile: llguidance drops Python's lock while it
+    compiles. Elsewhere (a gthread worker, tests) each request has its own thread already."""
+    if "gevent" in sys.modules:
+        from gevent import get_hub, monkey
+        if monkey.is_module_patched("threading"):
+            return get_hub().threadpool.apply(function, args)
+    return function(*args)
+
+
+def store(client, model: str, grammar: Grammar) -> None:
+    """Keep the grammar at keys.grammar(model, digest) for GRAMMAR_TTL_S more: its text is sent only
+    when Redis does not have it (a refresh is one EXPIRE)."""
+    key = keys.grammar(model, grammar.digest)
+    if not client.expire(key, keys.GRAMMAR_TTL_S):
+        client.set(key, grammar.text, ex=keys.GRAMMAR_TTL_S)
