@@ -20,7 +20,7 @@ from redis.exceptions import RedisClusterException
 from redis.sentinel import SentinelConnectionPool
 from werkzeug.exceptions import HTTPException
 
-from api import auth, batches
+from api import auth, batches, grammars, tools
 from api import metrics
 from api.broker import Broker, Pending
 from api.errors import ApiError, bad_request, unavailable
@@ -116,11 +116,19 @@ def create_app(settings: Optional[Settings] = None, client: Optional[redis.Redis
         cap = broker.admission.cap(workers)
         # A full queue is refused before the costly part (tokenizing), so a crowd hears it at once.
         broker.admission.check(req.model, req.n * (1 if chat else len(req.prompts)), cap)
-        prompts = _tokenize(req, tokenizers.get(workers[0]), chat)
+        tokenizer = tokenizers.get(workers[0])
+        tool_spec = tools.spec(req.tools, req.tool_choice) if chat else None
+        prompts = _tokenize(req, tokenizer, chat, tool_spec)
+        # The constraint, checked before anything is queued; its jobs carry only its hash.
+        grammar = grammars.for_request(req, tokenizer, tool_spec)
+        if grammar is not None:
+            req.params = replace(req.params, grammar=grammar.digest)
         request_id = uuid.uuid4().hex[:24]
         jobs = _jobs(req, prompts, workers[0], request_id, settings.request_timeout)
         prompt_tokens = sum(len(p) for p in prompts)
-        shape = Shape(request_id, req.model, chat)
+        shape = Shape(request_id, req.model, chat, tool_spec)
+        if grammar is not None:
+            grammars.store(client, req.model, grammar)  # before the jobs: a worker fetches it
         pending = broker.submit(jobs, cap)
         counted = metrics.Answer(req.model)
         if req.stream:
@@ -202,10 +210,11 @@ def _json_body():
     return body
 
 
-def _tokenize(req: CompletionRequest, tokenizer, chat: bool) -> list[list[int]]:
+def _tokenize(req: CompletionRequest, tokenizer, chat: bool,
+              tool_spec: Optional[tools.ToolSpec] = None) -> list[list[int]]:
     if chat:
         try:
-            return [tokenizer.encode_chat(req.messages)]
+            return [tokenizer.encode_chat(req.messages, tool_spec)]
         except ValueError as exc:
             raise bad_request(str(exc), param="messages")
     prompts = []
@@ -276,6 +285,7 @@ def _stream(pending: Pending, shape: Shape, include_usage: bool, prompt_tokens: 
     """Server-sent events: a chunk per piece of text as the worker writes it, then [DONE]."""
     sent = [""] * len(pending.jobs)
     finals: list[Optional[Final]] = [None] * len(pending.jobs)
+    readers = [tools.CallReader(shape.tool_spec) for _ in pending.jobs] if shape.tool_spec else None
     try:
         if shape.chat:
             for index in range(len(pending.jobs)):
@@ -295,6 +305,10 @@ def _stream(pending: Pending, shape: Shape, include_usage: bool, prompt_tokens: 
                 counted.text_sent()
             if isinstance(result, Final):
                 finals[index] = result
+            if readers:  # a chat with tools: the reply as text, or as a tool call's deltas
+                for chunk in _tool_chunks(shape, index, readers[index], new, result):
+                    yield sse(chunk)
+            elif isinstance(result, Final):
                 yield sse(shape.chunk(index, new or None, finish_reason=result.finish_reason))
             elif new:
                 yield sse(shape.chunk(index, new))
@@ -308,3 +322,16 @@ def _stream(pending: Pending, shape: Shape, include_usage: bool, prompt_tokens: 
         yield sse(counted.failed(unavailable(f"the job queue (Redis) is not reachable: {exc}")).body())
     finally:  # also when the client went away: its jobs are cancelled
         pending.close()
+
+
+def _tool_chunks(shape: Shape, index: int, reader: tools.CallReader, new: str, result) -> list[dict]:
+    """The chunks a piece of a reply with tools gives: content, or OpenAI's tool-call deltas; the
+    last piece's last chunk carries the finish_reason ("tool_calls" for a whole call)."""
+    deltas = reader.feed(new) if new else []
+    if not isinstance(result, Final):
+        return [shape.chunk(index, fields=delta) for delta in deltas]
+    last, finish_reason = reader.finish(result.finish_reason)
+    deltas += last
+    chunks = [shape.chunk(index, fields=delta) for delta in deltas[:-1]]
+    chunks.append(shape.chunk(index, fields=deltas[-1] if deltas else None, finish_reason=finish_reason))
+    return chunks

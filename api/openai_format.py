@@ -5,16 +5,19 @@ import json
 import time
 from typing import Optional
 
+from api import tools
 from shared.protocol import Final
 
 
 class Shape:
     """Builds one request's answer bodies; `chat` picks chat.completion over text_completion."""
 
-    def __init__(self, request_id: str, model: str, chat: bool):
+    def __init__(self, request_id: str, model: str, chat: bool,
+                 tool_spec: Optional[tools.ToolSpec] = None):
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.model = model
         self.chat = chat
+        self.tool_spec = tool_spec  # a chat with tools: a reply may be a call (api/tools.py)
         self.created = int(time.time())
 
     def _envelope(self, object_name: str, choices: list, usage_body: Optional[dict] = None) -> dict:
@@ -26,19 +29,30 @@ class Shape:
 
     def whole(self, finals: list[Final], prompt_tokens: int) -> dict:
         if self.chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": f.text},
-                        "logprobs": None, "finish_reason": f.finish_reason} for i, f in enumerate(finals)]
+            choices = [{"index": i, **self._reply(f), "logprobs": None} for i, f in enumerate(finals)]
             return self._envelope("chat.completion", choices, usage(prompt_tokens, finals))
         choices = [{"text": f.text, "index": i, "logprobs": None, "finish_reason": f.finish_reason}
                    for i, f in enumerate(finals)]
         return self._envelope("text_completion", choices, usage(prompt_tokens, finals))
 
+    def _reply(self, final: Final) -> dict:
+        """A chat choice's message and finish_reason: with tools, a whole call is message.tool_calls."""
+        if self.tool_spec is None:
+            return {"message": {"role": "assistant", "content": final.text}, "finish_reason": final.finish_reason}
+        content, calls, finish_reason = tools.read_reply(final.text, final.finish_reason, self.tool_spec)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        return {"message": message, "finish_reason": finish_reason}
+
     def chunk(self, index: int, text: Optional[str] = None, finish_reason: Optional[str] = None,
-              first: bool = False) -> dict:
+              first: bool = False, fields: Optional[dict] = None) -> dict:
+        """`fields`: the chat delta's other fields (content or tool_calls: api/tools.CallReader)."""
         if self.chat:
             delta = {"role": "assistant", "content": ""} if first else {}
             if text is not None:
                 delta["content"] = text
+            delta.update(fields or {})
             choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
             return self._envelope("chat.completion.chunk", [choice])
         choice = {"text": text or "", "index": index, "logprobs": None, "finish_reason": finish_reason}
