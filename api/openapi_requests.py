@@ -102,8 +102,8 @@ def _sampling_properties() -> dict:
 def _refused(no_op: dict, name: str) -> dict:
     """One of OpenAI's fields this server cannot honour: only its value that asks for nothing."""
     reason = UNSUPPORTED[name][1]
-    return nullable(no_op, f"not supported ({reason.removeprefix('is ')}): accepted only at its no-op "
-                            f"value; any other is a 400 `unsupported_parameter`")
+    return nullable(no_op, f"not supported ({reason}): accepted only at its no-op value; any other is a "
+                           f"400 `unsupported_parameter`")
 
 
 def constraint_schemas() -> dict:

@@ -43,18 +43,17 @@ _SHARED_FIELDS = (
     # vLLM's extensions
     "top_k", "ignore_eos", "priority", "repetition_penalty", "min_p", "stop_token_ids", "min_tokens",
     "structured_outputs", *METADATA_FIELDS)
-# OpenAI's fields this server cannot honour: accepted only at the value that asks for nothing.
+# OpenAI's fields this server cannot honour: accepted only at the values that ask for nothing.
 UNSUPPORTED = {
-    "suffix": ((None, ""), "writing text before a suffix (fill-in-the-middle) is not supported by this server"),
-    "modalities": ((None, ["text"]), "this server writes text only"),
-    "audio": ((None,), "audio output is not supported by this server"),
-    "prediction": ((None,), "predicted outputs are not supported by this server"),
-    "web_search_options": ((None,), "web search is not supported by this server"),
-    "reasoning_effort": ((None,), "reasoning models are not supported by this server"),
-    "verbosity": ((None,), "verbosity is not supported by this server"),
-    "functions": ((None, []), "is deprecated by OpenAI and not supported by this server: use 'tools'"),
-    "function_call": ((None, "none"), "is deprecated by OpenAI and not supported by this server: use "
-                                      "'tool_choice'"),
+    "suffix": ((None, ""), "it does not write text to fit before a suffix (fill-in-the-middle)"),
+    "modalities": ((None, ["text"]), "it writes text only"),
+    "audio": ((None,), "it writes text only"),
+    "prediction": ((None,), "it writes every token itself"),
+    "web_search_options": ((None,), "it cannot search the web"),
+    "reasoning_effort": ((None,), "its models do not reason before answering"),
+    "verbosity": ((None,), "length is set by max_tokens"),
+    "functions": ((None, []), "deprecated by OpenAI: use 'tools'"),
+    "function_call": ((None, "none"), "deprecated by OpenAI: use 'tool_choice'"),
 }
 COMPLETION_FIELDS = frozenset(_SHARED_FIELDS + ("prompt", "echo", "suffix", "best_of"))
 CHAT_FIELDS = frozenset(_SHARED_FIELDS + (
@@ -139,8 +138,8 @@ def _known_fields(body: dict, known: frozenset, lenient: bool) -> None:
             log.warning("ignoring the request field %r, which this API does not know (--lenient)", name)
     for name, (no_op, reason) in UNSUPPORTED.items():
         if name in known and body.get(name) not in no_op:
-            raise bad_request(f"'{name}' {reason}" if reason.startswith("is ") else f"'{name}': {reason}",
-                              param=name, code="unsupported_parameter")
+            raise bad_request(f"'{name}' is not supported by this server: {reason}", param=name,
+                              code="unsupported_parameter")
 
 
 def _metadata(body: dict, chat: bool) -> None:
