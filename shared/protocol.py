@@ -115,6 +115,9 @@ class TextDelta:
     # text's), so a resumed job's repeat is skipped by the API as its text is.
     logprobs: Optional[list] = None
     logprobs_start: int = 0
+    # With params.prompt_logprobs, on a job's first delta (Final.prompt_logprobs' form): a stream's
+    # echo sends the prompt, with its logprobs, before the answer.
+    prompt_logprobs: Optional[list] = None
     type: str = "text"
 
 

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from typing import Optional
 
 import torch
 
 from shared.protocol import Final, Job, TextDelta
 from worker.logits import changes_logits
+from worker.logprobs import text_offsets
 from worker.sampling import new_generator
 
 # Prompt tokens decoded in front of the first new token, so that tokenizers which drop a leading
@@ -35,9 +37,21 @@ class Sequence:
         self.stop_ids = (frozenset() if job.params.ignore_eos else eos_ids) | frozenset(job.params.stop_token_ids)
         self.constraint = constraint
         self.adjusts = changes_logits(job.params)  # worker/logits.py has work on its logits
-        # Text is needed token by token only to stream it or to watch for stop strings; otherwise
-        # it is decoded once, at the end (a decode per token per row is a real cost at batch 64).
-        self._incremental = job.stream or bool(job.params.stop)
+        # Log-probabilities (worker/logprobs.py): with params.logprobs an entry per written token,
+        # [id, logprob, where its text starts in `text`, top k], kept aligned with the text; with
+        # params.prompt_logprobs the runner's (logprob, top k) of each prompt token after the first,
+        # by the position that scores it (prompt_scores[p] scores prompt token p + 1).
+        self.logprobs: Optional[list] = [] if job.params.logprobs is not None else None
+        self.prompt_scores: Optional[list] = (
+            [None] * (len(self.prompt_ids) - 1) if job.params.prompt_logprobs is not None else None)
+        self._logprobs_sent = 0  # leading entries of `logprobs` published
+        self._prompt_logprobs_sent = False
+        self._prompt_offsets: Optional[list[int]] = None
+        self.cached_tokens = 0  # prompt tokens the prefix cache held at its admission (the scheduler's)
+        # Text is needed token by token only to stream it, to watch for stop strings or to place each
+        # token's logprobs in it; otherwise it is decoded once, at the end (a decode per token per
+        # row is a real cost at batch 64).
+        self._incremental = job.stream or bool(job.params.stop) or self.logprobs is not None
         # Incremental detokenization: decode a short window, keep only what is new and complete.
         self._window = self.prompt_ids[-_CONTEXT_TOKENS:]
         self._prefix_offset = 0
@@ -57,8 +71,10 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def append(self, token: int) -> None:
-        """Take the next token, then decide whether the sequence is finished."""
+    def append(self, token: int, entry=None) -> None:
+        """Take the next token, then decide whether the sequence is finished. `entry`: its
+        (logprob, top k) where the request asks for logprobs (worker/logprobs.py); a token that ends
+        the reply (end-of-text, stop_token_ids) is not in the text and gets no entry, as OpenAI's."""
         if token in self.stop_ids:
             self._finish("stop")
             return
@@ -68,8 +84,12 @@ class Sequence:
         if self.constraint is not None:
             self.constraint.consume(token)
         if self._incremental:
+            start = len(self.text)
             self._window.append(token)
             self.text += self._decode_new()
+            if self.logprobs is not None:
+                logprob, top = entry if entry is not None else (None, [])
+                self.logprobs.append([token, logprob, start, top])
             if self._cut_at_stop_string():
                 self.finish_reason = "stop"  # the text ends where the stop string began
                 return
@@ -112,15 +132,42 @@ class Sequence:
         end = len(self.text) if self.finished else len(self.text) - self._stop_prefix_len()
         if end <= self._sent:
             return None
-        return TextDelta(text=self.text[self._sent:end], offset=self._sent,
-                         completion_tokens=len(self.output_ids))
+        delta = TextDelta(text=self.text[self._sent:end], offset=self._sent,
+                          completion_tokens=len(self.output_ids))
+        if self.logprobs is not None:
+            # The entries of the tokens whose text starts in this delta's: a token whose text is
+            # held back (half a character, maybe a stop string) waits with it; all, once finished.
+            last = len(self.logprobs) if self.finished else bisect_left(self.logprobs, end, key=_text_offset)
+            delta.logprobs, delta.logprobs_start = self.logprobs[self._logprobs_sent:last], self._logprobs_sent
+        if self.prompt_scores is not None and not self._prompt_logprobs_sent:
+            delta.prompt_logprobs = self.prompt_logprobs()  # a stream's echo sends them first
+        return delta
 
     def sent(self, delta: TextDelta) -> None:
         self._sent = max(self._sent, delta.offset + len(delta.text))
+        if delta.logprobs is not None:
+            self._logprobs_sent = max(self._logprobs_sent, delta.logprobs_start + len(delta.logprobs))
+        if delta.prompt_logprobs is not None:
+            self._prompt_logprobs_sent = True
 
     def final(self) -> Final:
         return Final(text=self.text, finish_reason=self.finish_reason,
-                     prompt_tokens=len(self.prompt_ids), completion_tokens=len(self.output_ids))
+                     prompt_tokens=len(self.prompt_ids), completion_tokens=len(self.output_ids),
+                     logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs(),
+                     cached_tokens=self.cached_tokens)
+
+    def prompt_logprobs(self) -> Optional[list]:
+        """The prompt's entries (with params.prompt_logprobs), in the written tokens' form, text
+        offsets in the prompt's own text; the first token's logprob and top are None (nothing
+        scores it), as OpenAI's token_logprobs[0]."""
+        if self.prompt_scores is None:
+            return None
+        if self._prompt_offsets is None:  # the prompt's text does not change: decoded once
+            self._prompt_offsets = text_offsets(self._decode, self.prompt_ids)
+        offsets = self._prompt_offsets
+        scores = [(None, None)] + [s if s is not None else (None, []) for s in self.prompt_scores]
+        return [[token, logprob, offset, top]
+                for token, offset, (logprob, top) in zip(self.prompt_ids, offsets, scores)]
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
@@ -138,6 +185,8 @@ class Sequence:
         found = [i for i in (self.text.find(s) for s in self.params.stop) if i >= 0]
         if found:
             self.text = self.text[:min(found)]
+            if self.logprobs is not None:  # the tokens whose text starts at or past the cut go too
+                del self.logprobs[bisect_left(self.logprobs, len(self.text), key=_text_offset):]
         return bool(found)
 
     def _stop_prefix_len(self) -> int:
@@ -149,3 +198,7 @@ class Sequence:
                     longest = n
                     break
         return longest
+
+
+def _text_offset(entry: list) -> int:
+    return entry[2]

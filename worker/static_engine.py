@@ -51,6 +51,12 @@ def resumable(written: Optional[list[int]], job: Job, loaded: LoadedModel) -> Op
     if there are none, or (with a warning) if they cannot be this job's: the job starts again."""
     if not written:
         return None
+    if job.params.logprobs is not None or job.params.prompt_logprobs is not None:
+        # The earlier attempt's logprobs died with it: written again from the start, the same
+        # tokens (greedy or seeded) with their logprobs; the API skips what its client already had.
+        log.info("job %s asks for logprobs: writing it again from the start rather than resuming after "
+                 "its %d written token(s)", job.id, len(written))
+        return None
     if len(written) > job.params.max_tokens or min(written) < 0 or max(written) >= loaded.vocab_size:
         log.warning("job %s: ignoring its record of %d written token(s), which cannot be its own (over its "
                     "max_tokens %d, or ids outside the vocabulary): writing it from the start", job.id,

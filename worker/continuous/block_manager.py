@@ -53,14 +53,16 @@ class BlockManager:
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
-    def allocate(self, table: BlockTable, tokens: list[int], margin: int = 0) -> Optional[int]:
-        """Blocks for all of `tokens` (a request being admitted), reusing cached ones.
+    def allocate(self, table: BlockTable, tokens: list[int], margin: int = 0,
+                 cached: bool = True) -> Optional[int]:
+        """Blocks for all of `tokens` (a request being admitted), reusing cached ones (unless not
+        `cached`: a request that needs every position computed, for its prompt logprobs).
 
         Returns how many leading tokens are already in the cache, or None (nothing taken) when
         fewer than the needed blocks plus `margin` are free.
         """
         assert not table.blocks, "allocate is for a request that holds nothing"
-        matched = self._match(tokens)
+        matched = self._match(tokens) if cached else []
         reused_free = sum(1 for b in matched if self._refs[b] == 0)
         needed = self.blocks_for(len(tokens)) - len(matched)
         if self.free - reused_free < needed + margin:

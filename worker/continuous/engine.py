@@ -161,9 +161,9 @@ class ContinuousEngine:
             req.computed += count
             self.blocks.computed(req.table, req.tokens, req.computed)
         changed = []
-        for req, token in produced:
+        for req, token, entry in produced:
             if not req.finished:  # cancelled while this step ran
-                req.append(token)
+                req.append(token, entry)
                 req.status = Status.DECODING
             changed.append(req.seq)
             if req.finished:  # its blocks go back now, not at the next step

@@ -10,6 +10,7 @@ import torch
 
 from worker.continuous.attention import Chunk, KVCache, StepLayout
 from worker.continuous.request import Request, Status
+from worker import logprobs
 from worker.logits import adjust
 from worker.sampling import sample
 
@@ -24,22 +25,34 @@ class ModelRunner:
         self._masks = None  # worker.constraint.MaskFiller, made at the first constrained row
 
     @torch.inference_mode()
-    def run(self, plan: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
-        """Compute the plan; returns (request, new token) for each request that reached its end.
+    def run(self, plan: list[tuple[Request, int]]) -> list[tuple[Request, int, object]]:
+        """Compute the plan; returns (request, new token, its logprobs entry or None) for each
+        request that reached its end.
 
         The grammar masks of the rows that get a token are computed in llguidance's threads while
         the forward pass runs (both release Python's lock), and applied with the rows' own
-        penalties and biases before the pick (worker/logits.py)."""
+        penalties and biases before the pick (worker/logits.py). Logprobs, where asked, come from
+        the model's own logits beside the pick (worker/logprobs.py), and never change it."""
         ids, positions, step, last_rows, sampled = self._layout(plan)
         masks = self._start_masks(sampled)
         hidden = self.model.forward(ids, positions, self.cache, step)
+        scored = logprobs.prompt_rows(plan)  # prompt positions of requests that want their logprobs
+        if scored:
+            logprobs.score_prompts(self.model, hidden, scored)
         if not sampled:
             return []
         logits = self.model.logits(hidden[last_rows])
         seqs = [r.seq for r in sampled]
         chosen_from = adjust(logits, seqs, masks.result() if masks is not None else None)
         tokens = sample(chosen_from, [s.params for s in seqs], [s.generator for s in seqs], self.kernel)
-        return list(zip(sampled, tokens))
+        entries = [None] * len(seqs)
+        asking = [i for i, s in enumerate(seqs) if s.logprobs is not None]
+        if asking:
+            rows = logits if len(asking) == len(seqs) else logits[asking]
+            for i, entry in zip(asking, logprobs.entries(rows, [tokens[i] for i in asking],
+                                                         [seqs[i].params.logprobs for i in asking])):
+                entries[i] = entry
+        return list(zip(sampled, tokens, entries))
 
     @torch.inference_mode()
     def logits(self, plan: list[tuple[Request, int]]) -> tuple[torch.Tensor, list[Request]]:

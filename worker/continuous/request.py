@@ -28,6 +28,8 @@ class Request:
         # a resumed sequence took from its job's record.
         self.tokens = seq.prompt_ids + seq.output_ids
         self.computed = 0  # leading tokens whose KV is in the cache
+        # Prompt logprobs need the logits of every prompt position: no prefix-cache hit may skip one.
+        self.prefix_cache = seq.prompt_scores is None
         self.preemptions = 0
 
     @property
@@ -42,7 +44,7 @@ class Request:
     def to_compute(self) -> int:
         return len(self.tokens) - self.computed
 
-    def append(self, token: int) -> None:
-        self.seq.append(token)
+    def append(self, token: int, entry=None) -> None:
+        self.seq.append(token, entry)  # entry: its logprobs, where asked (worker/logprobs.py)
         if not self.seq.finished:
             self.tokens.append(token)

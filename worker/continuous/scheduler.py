@@ -134,11 +134,14 @@ class Scheduler:
                 self.waiting.popleft()
                 req.status = Status.FINISHED
                 continue
-            cached = self.blocks.allocate(req.table, req.tokens, self.margin_blocks if self.running else 0)
+            cached = self.blocks.allocate(req.table, req.tokens, self.margin_blocks if self.running else 0,
+                                          req.prefix_cache)
             if cached is None:
                 break  # no room: it stays first in line
             self.waiting.popleft()
             req.computed = cached
+            if not req.preemptions:  # what its answer reports (usage.prompt_tokens_details)
+                req.seq.cached_tokens = min(cached, len(req.seq.prompt_ids))
             req.status = Status.PREFILLING
             self.running.append(req)
             chunk = min(req.to_compute, budget)
