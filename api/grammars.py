@@ -40,7 +40,7 @@ import llguidance
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from api import tools
-from api.errors import ApiError, bad_request
+from api.errors import bad_request
 from shared import keys
 
 MAX_GRAMMAR_BYTES = 64 * 1024  # a grammar's text at most (a schema's JSON, a regex, a Lark grammar)
@@ -171,8 +171,12 @@ def _only_fields(obj: dict, known: tuple, where: str) -> None:
 
 
 def _tools(tool_spec: tools.ToolSpec, tokenizer) -> Grammar:
-    """A call of the allowed functions, or (auto) text or a call; a parameter schema that does not
-    compile is named by its place in `tools`."""
+    """A call of the allowed functions, or (auto) text or a call. Each parameter schema is checked
+    on its own first, so a fault is named by its place in `tools` (inside an anyOf, llguidance would
+    quietly drop a function whose schema nothing satisfies)."""
+    for i, function in enumerate(tool_spec.functions):
+        param = f"tools[{i}].function.parameters"
+        check(_json_grammar(function["parameters"], param), param, tokenizer)
     schema = {**tools.call_schema(tool_spec), "x-guidance": JSON_DEFAULTS}
     if tool_spec.required:
         text = _json_grammar(schema, "tools")
@@ -182,13 +186,7 @@ def _tools(tool_spec: tools.ToolSpec, tokenizer) -> Grammar:
             "TEXT: /[ \\t\\r\\n]*[^{ \\t\\r\\n][\\s\\S]*/\n"
             "WS: /[ \\t\\r\\n]+/\n"
             f"call: WS? %json {json.dumps(schema)}\n")
-    try:
-        return check(text, "tools", tokenizer)
-    except ApiError:
-        for i, function in enumerate(tool_spec.functions):  # which function's schema is at fault
-            param = f"tools[{i}].function.parameters"
-            check(_json_grammar(function["parameters"], param), param, tokenizer)
-        raise
+    return check(text, "tools", tokenizer)
 
 
 # Checking -------------------------------------------------------------------------------------

@@ -21,6 +21,14 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
     return {kind: save_tiny(kind, str(root / f"tiny-{kind}")) for kind in ("gpt2", "llama")}
 
 
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """The packaged SmolLM2's Hugging Face tokenizer, as its worker builds it (cached on disk)."""
+    from shared.settings import Settings
+    from worker.model_loader import PACKAGED_FILE, _tokenizer, packaged_model_dir
+    return _tokenizer(packaged_model_dir(), {"gguf_file": PACKAGED_FILE}, Settings().cache_dir)
+
+
 @pytest.fixture
 def fake_redis():
     return fakeredis.FakeRedis()
