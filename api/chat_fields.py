@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Optional, Union
 
 from api.errors import bad_request
+from api.tools import NAME_PATTERN
 
 MAX_MESSAGES = 512
 MAX_TOOLS = 128  # OpenAI's limit
@@ -49,7 +50,9 @@ def _message(message, where: str) -> dict:
     if tool_calls is not None:
         if role != "assistant":
             raise _invalid(f"{where}.tool_calls", f"is only for assistant messages, not {role}", "invalid_value")
-        clean["tool_calls"] = _tool_calls(tool_calls, f"{where}.tool_calls")
+        calls = _tool_calls(tool_calls, f"{where}.tool_calls")
+        if calls:  # [] is what some clients send for none
+            clean["tool_calls"] = calls
     content = message.get("content")
     if isinstance(content, list):  # content parts: only text is understood by a text model
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
@@ -120,11 +123,16 @@ def tools(raw) -> Optional[list]:
         if not isinstance(function, dict):
             raise _invalid(f"{at}.function", "must be an object {name, description, parameters}")
         name = _function_name(function.get("name"), f"{at}.function.name")
+        if not NAME_PATTERN.fullmatch(name):
+            raise _invalid(f"{at}.function.name", f"must be 1-64 letters, digits, '_' or '-', got {name!r}",
+                           "invalid_value")
         if name in names:
             raise _invalid(f"{at}.function.name", f"{name!r} is already the name of another tool", "invalid_value")
         names.add(name)
-        if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
-            raise _invalid(f"{at}.function.parameters", "must be an object (a JSON Schema)")
+        for key, kind, what in (("parameters", dict, "an object (a JSON Schema)"), ("description", str, "a string"),
+                                ("strict", bool, "a boolean")):
+            if function.get(key) is not None and not isinstance(function[key], kind):
+                raise _invalid(f"{at}.function.{key}", f"must be {what}")
     return raw
 
 

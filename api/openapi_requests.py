@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from api import validation
 from api.chat_fields import CHAT_ROLES, MAX_MESSAGES, MAX_TOOLS, TOOL_CHOICES
+from api.tools import NAME_PATTERN
 from api.validation import (LOGIT_BIAS_RANGE, MAX_CHOICES, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PROMPTS,
                             MAX_REPETITION_PENALTY, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_STOPS, MAX_TOKEN_ID,
-                            MAX_TOTAL_CHOICES, PENALTY_RANGE, RESPONSE_FORMATS, SERVICE_TIERS, UNSUPPORTED)
+                            MAX_TOTAL_CHOICES, PENALTY_RANGE, SERVICE_TIERS, UNSUPPORTED)
 from shared.protocol import PRIORITY_DEFAULT, PRIORITY_MAX, PRIORITY_MIN
 
 # A seed is offset by the choice index and must still fit in 64 bits (see validation._sampling).
@@ -108,28 +109,37 @@ def _refused(no_op: dict, name: str) -> dict:
 
 def constraint_schemas() -> dict:
     """response_format, vLLM's structured_outputs, chat's tools: what the reply must look like."""
-    json_schema = {"type": "object", "required": ["name"],
-                   "properties": {"name": {"type": "string"}, "description": {"type": "string"},
-                                  "schema": {"type": "object", "description": "a JSON Schema"},
-                                  "strict": nullable({"type": "boolean"})}}
+    name = {"type": "string", "pattern": f"^{NAME_PATTERN.pattern}$"}
+    schema = {"type": "object", "description": "a JSON Schema"}
+    json_schema = {"type": "object", "required": ["name"], "additionalProperties": False,
+                   "properties": {"name": name, "description": nullable({"type": "string"}),
+                                  "schema": nullable(schema), "strict": nullable({"type": "boolean"})}}
     function = {"type": "object", "required": ["name"],
-                "properties": {"name": {"type": "string", "minLength": 1}, "description": {"type": "string"},
-                               "parameters": {"type": "object", "description": "a JSON Schema of the arguments"},
+                "properties": {"name": name, "description": nullable({"type": "string"}),
+                               "parameters": nullable({**schema, "description": "a JSON Schema of the arguments"}),
                                "strict": nullable({"type": "boolean"})}}
     return {
         "ResponseFormat": {
             "description": "text (the default: no constraint), any JSON object, or JSON valid against a schema; "
                            "a schema that cannot be compiled is a 400",
-            "type": "object", "required": ["type"],
-            "properties": {"type": {"type": "string", "enum": list(RESPONSE_FORMATS)}, "json_schema": json_schema},
-            "if": {"properties": {"type": {"const": "json_schema"}}}, "then": {"required": ["type", "json_schema"]}},
+            "anyOf": [{"type": "object", "required": ["type"],
+                       "properties": {"type": {"type": "string", "enum": ["text"]}, "json_schema": {"type": "object"}}},
+                      {"type": "object", "required": ["type"], "additionalProperties": False,
+                       "properties": {"type": {"type": "string", "enum": ["json_object"]}}},
+                      {"type": "object", "required": ["type", "json_schema"], "additionalProperties": False,
+                       "properties": {"type": {"type": "string", "enum": ["json_schema"]},
+                                      "json_schema": json_schema}}]},
         "StructuredOutputs": {
-            "description": "vLLM's constraints, one of: `json` (a JSON Schema), `regex`, `choice` (one of the "
-                           "strings), `grammar` (Lark or GBNF); one that cannot be compiled is a 400",
-            "type": "object",
-            "properties": {"json": {"anyOf": [{"type": "object"}, {"type": "string"}]}, "regex": {"type": "string"},
-                           "choice": {"type": "array", "items": {"type": "string"}},
-                           "grammar": {"type": "string"}}},
+            "description": "vLLM's constraints: exactly one of `json` (a JSON Schema, or its text), `regex`, "
+                           "`choice` (one of the strings), `grammar` (Lark, or GBNF), `json_object` (true); one "
+                           "that cannot be compiled is a 400",
+            "type": "object", "minProperties": 1, "additionalProperties": False,
+            "properties": {"json": nullable({"anyOf": [{"type": "object"}, {"type": "string"}]}),
+                           "regex": nullable({"type": "string", "minLength": 1}),
+                           "choice": nullable({"type": "array", "minItems": 1,
+                                               "items": {"type": "string", "minLength": 1}}),
+                           "grammar": nullable({"type": "string", "minLength": 1}),
+                           "json_object": nullable({"type": "boolean"})}},
         "Tool": {"type": "object", "required": ["type", "function"],
                  "properties": {"type": {"type": "string", "enum": ["function"]}, "function": function}},
         "ToolChoice": {
@@ -140,10 +150,10 @@ def constraint_schemas() -> dict:
                        "properties": {"type": {"type": "string", "enum": ["function"]},
                                       "function": {"type": "object", "required": ["name"],
                                                    "properties": {"name": {"type": "string", "minLength": 1}}}}}]},
-        "ToolCall": {"type": "object", "required": ["id", "type", "function"],
+        "ToolCall": {"type": "object", "required": ["id", "function"],
                      "properties": {"id": {"type": "string"}, "type": {"type": "string", "enum": ["function"]},
                                     "function": {"type": "object", "required": ["name", "arguments"],
-                                                 "properties": {"name": {"type": "string"},
+                                                 "properties": {"name": {"type": "string", "minLength": 1},
                                                                 "arguments": {"type": "string",
                                                                               "description": "JSON text"}}}}},
     }
@@ -154,6 +164,9 @@ def request_schemas() -> dict:
                  "description": "token ids, each below the model's vocabulary size"}
     text_part = {"type": "object", "required": ["type", "text"],
                  "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
+    optional_name = nullable({"type": "string"})
+    text = {"anyOf": [{"type": "string"}, {"type": "array", "items": text_part}],
+            "description": "text, or text parts (joined)"}
     sampling = _sampling_properties()
     logprobs_k = {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}
     return {
@@ -168,19 +181,25 @@ def request_schemas() -> dict:
                  "items": {"anyOf": [{"type": "string", "minLength": 1}, ref("schemas", "TokenIds")]}},
             ]},
         "Message": {
-            "type": "object", "required": ["role"],
-            "description": "content is required, except beside an assistant's tool_calls (null there); a tool "
-                           "message names the call it answers (tool_call_id)",
-            "properties": {
-                "role": {"type": "string", "enum": list(CHAT_ROLES)},
-                "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": text_part}, {"type": "null"}],
-                            "description": "text, or text parts (joined)"},
-                "name": {"type": "string"},
-                "tool_calls": {"type": "array", "items": ref("schemas", "ToolCall"),
-                               "description": "an assistant's calls, as a reply had them"},
-                "tool_call_id": {"type": "string", "minLength": 1, "description": "a tool message's call"},
-            },
-            "if": {"properties": {"role": {"const": "tool"}}}, "then": {"required": ["role", "tool_call_id"]}},
+            "description": "a system, user or developer message: its text; an assistant's: its text, or its "
+                           "tool_calls (content null); a tool's: the result of the call it names (tool_call_id)",
+            "anyOf": [
+                {"type": "object", "required": ["role", "content"],
+                 "properties": {"role": {"type": "string", "enum": [r for r in CHAT_ROLES if r not in
+                                                                    ("assistant", "tool")]},
+                                "content": text, "name": optional_name, "tool_calls": {"type": "null"}}},
+                {"type": "object", "required": ["role"],
+                 "properties": {"role": {"type": "string", "enum": ["assistant"]},
+                                "content": {"anyOf": [text, {"type": "null"}]}, "name": optional_name,
+                                "tool_calls": nullable({"type": "array", "items": ref("schemas", "ToolCall")},
+                                                       "the calls a reply made")},
+                 "anyOf": [{"required": ["content"], "properties": {"content": text}},
+                           {"required": ["tool_calls"], "properties": {"tool_calls": {"minItems": 1}}}]},
+                {"type": "object", "required": ["role", "content", "tool_call_id"],
+                 "properties": {"role": {"type": "string", "enum": ["tool"]}, "content": text,
+                                "name": optional_name, "tool_call_id": {"type": "string", "minLength": 1},
+                                "tool_calls": {"type": "null"}}},
+            ]},
         "CompletionRequest": {
             "type": "object", "required": ["model", "prompt"], "additionalProperties": False,
             "description": "any other field is a 400 `unknown_parameter` (or, with --lenient, ignored and logged)",

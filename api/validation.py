@@ -236,7 +236,8 @@ def _constraints(body: dict) -> dict:
         kind = response_format.get("type")
         _check(kind in RESPONSE_FORMATS, "response_format.type",
                f"must be one of {', '.join(RESPONSE_FORMATS)}, got {kind!r}")
-        if kind == "json_schema" and not isinstance(response_format.get("json_schema"), dict):
+        if not isinstance(response_format.get("json_schema", {}), dict) or (
+                kind == "json_schema" and "json_schema" not in response_format):
             raise bad_request("'response_format.json_schema' must be an object {name, schema, strict}",
                               param="response_format.json_schema", code="invalid_type")
         if kind == "text":
