@@ -1,0 +1,199 @@
+"""Structured output and tools through the whole stack, the way a game asks: the official `openai`
+client, `python -m api`, a real redis-server and real `python -m worker` processes.
+
+On the tiny random model (tests/test_integration.py's stack), whose free text is noise, so only the
+mask makes its replies fit: 50 sampled replies to a JSON schema with an enum, an integer range and
+a bounded string are all valid JSON of the schema; regex and choice likewise, on both routes,
+streamed too; a reply cut by max_tokens says "length". On the packaged SmolLM2 (slow: its chat
+template and context hold the tools' system message): a named tool's and "required"'s calls'
+arguments match their schema, whole and streamed; with "auto" every reply is either text or a
+valid call; a conversation with a call and its result goes through.
+"""
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import jsonschema
+import pytest
+
+from serve import free_port
+from tests.conftest import RedisServer
+from tests.processes import default_worker, make_client, start, stop, wait_until
+from tests.test_integration import MODEL, client, stack  # noqa: F401 (a real stack's fixtures, reused)
+from tests.test_resume_processes import holding
+from worker.model_loader import PACKAGED_NAME
+
+pytestmark = pytest.mark.timeout(300)
+
+NPC = {"type": "object",
+       "properties": {"line": {"type": "string", "minLength": 1, "maxLength": 12},
+                      "mood": {"enum": ["grumpy", "cheerful", "scared"]},
+                      "gold_offered": {"type": "integer", "minimum": 0, "maximum": 100}},
+       "required": ["line", "mood", "gold_offered"], "additionalProperties": False}
+NPC_FORMAT = {"type": "json_schema", "json_schema": {"name": "npc_reply", "schema": NPC, "strict": True}}
+ASK = [{"role": "user", "content": "The innkeeper answers:"}]
+SAMPLED = dict(temperature=1.0, max_tokens=100)
+
+
+def _parallel(function, count: int) -> list:
+    with ThreadPoolExecutor(count) as pool:
+        return list(pool.map(function, range(count)))
+
+
+def test_fifty_sampled_replies_to_a_json_schema_are_all_valid(client):
+    def ask(i: int):
+        if i % 2:
+            done = client.chat.completions.create(model=MODEL, messages=ASK, n=5, seed=100 + i,
+                                                  response_format=NPC_FORMAT, **SAMPLED)
+            return [(c.message.content, c.finish_reason) for c in done.choices]
+        done = client.completions.create(model=MODEL, prompt="The innkeeper answers:", n=5, seed=100 + i,
+                                         extra_body={"response_format": NPC_FORMAT}, **SAMPLED)
+        return [(c.text, c.finish_reason) for c in done.choices]
+
+    replies = [reply for replies in _parallel(ask, 10) for reply in replies]
+    assert len(replies) == 50
+    for text, finish_reason in replies:
+        assert finish_reason == "stop", text
+        jsonschema.validate(json.loads(text), NPC)
+    assert len({text for text, _ in replies}) > 10  # sampled: not one reply over and over
+
+
+def test_regex_and_choice_replies_match(client):
+    regex = r"(north|south|east|west)-[0-9]{2}"
+    choices = ["attack", "flee", "bargain with the troll"]
+
+    def ask(i: int):
+        constraint = {"regex": regex} if i % 2 else {"choice": choices}
+        done = client.chat.completions.create(model=MODEL, messages=ASK, n=5, seed=i, **SAMPLED,
+                                              extra_body={"structured_outputs": constraint})
+        return constraint, [(c.message.content, c.finish_reason) for c in done.choices]
+
+    for constraint, replies in _parallel(ask, 8):
+        for text, finish_reason in replies:
+            assert finish_reason == "stop"
+            assert re.fullmatch(regex, text) if "regex" in constraint else text in choices, text
+
+
+def test_a_streamed_reply_is_valid_json_too(client):
+    stream = client.chat.completions.create(model=MODEL, messages=ASK, seed=7, stream=True,
+                                            response_format=NPC_FORMAT, **SAMPLED)
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    jsonschema.validate(json.loads(text), NPC)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+
+
+def test_a_reply_cut_by_max_tokens_says_length(client):
+    done = client.chat.completions.create(model=MODEL, messages=ASK, seed=3, max_tokens=4,
+                                          response_format=NPC_FORMAT)
+    choice = done.choices[0]
+    assert choice.finish_reason == "length" and done.usage.completion_tokens == 4
+    assert choice.message.content.startswith('{"')  # what the schema allows so far, not whole JSON
+    with pytest.raises(ValueError):
+        json.loads(choice.message.content)
+
+
+def test_a_bad_schema_is_a_400_naming_it(client):
+    import openai
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, response_format={
+            "type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "integer", "minimum": 3,
+                                                                          "maximum": 1}}})
+    assert caught.value.body["param"] == "response_format.json_schema.schema"
+
+
+# Tools, on SmolLM2 -----------------------------------------------------------------------------
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Today's weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                                   "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+GOLD = {"type": "function", "function": {
+    "name": "give_gold", "description": "Hand the player gold",
+    "parameters": {"type": "object", "properties": {"amount": {"type": "integer", "minimum": 1, "maximum": 50}},
+                   "required": ["amount"], "additionalProperties": False}}}
+TOOLS = [WEATHER, GOLD]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+WEATHER_ASK = [{"role": "user", "content": "What is the weather in Paris today?"}]
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory, kernel):
+    """A stack of its own: a redis-server, the API and one default worker (the packaged SmolLM2)."""
+    directory = tmp_path_factory.mktemp("smollm2-stack")
+    server = RedisServer(str(directory))
+    server.start()
+    port = free_port()
+    api = start(["api", "--port", str(port), "--redis-url", server.url], directory, "api")
+    worker = default_worker(server.url, directory, "worker")
+    try:
+        wait_until(lambda: worker.pid in holding(server.client(), PACKAGED_NAME), [api, worker],
+                   "the SmolLM2 worker to load", timeout=180)
+        with make_client(port) as c:
+            yield c
+    finally:
+        stop(api), stop(worker), server.stop()
+
+
+def _valid_call(call) -> None:
+    assert call.type == "function" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_a_required_or_named_call_matches_its_schema(smollm2, tool_choice):
+    done = smollm2.chat.completions.create(model=PACKAGED_NAME, messages=WEATHER_ASK, tools=TOOLS, n=6, seed=1,
+                                           tool_choice=tool_choice, temperature=1.0, max_tokens=60)
+    for choice in done.choices:
+        assert choice.finish_reason == "tool_calls", choice.message
+        assert choice.message.content is None
+        (call,) = choice.message.tool_calls
+        _valid_call(call)
+        if isinstance(tool_choice, dict):
+            assert call.function.name == "get_weather"
+
+
+@pytest.mark.slow
+def test_a_streamed_call_comes_in_tool_call_deltas(smollm2):
+    stream = smollm2.chat.completions.create(model=PACKAGED_NAME, messages=WEATHER_ASK, tools=TOOLS, seed=2,
+                                             tool_choice="required", temperature=0.7, max_tokens=60, stream=True)
+    chunks = [c for c in stream if c.choices]
+    deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+    assert deltas[0].id.startswith("call_") and deltas[0].function.name in SCHEMAS
+    assert all(d.index == 0 and d.id is None and d.function.name is None for d in deltas[1:])
+    arguments = "".join(d.function.arguments or "" for d in deltas)
+    jsonschema.validate(json.loads(arguments), SCHEMAS[deltas[0].function.name])
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]
+
+
+@pytest.mark.slow
+def test_with_auto_every_reply_is_text_or_a_valid_call(smollm2):
+    done = smollm2.chat.completions.create(model=PACKAGED_NAME, messages=WEATHER_ASK, tools=TOOLS, n=8, seed=3,
+                                           temperature=1.0, max_tokens=60)
+    for choice in done.choices:
+        if choice.finish_reason == "tool_calls":
+            assert choice.message.content is None
+            _valid_call(choice.message.tool_calls[0])
+        else:
+            assert choice.message.tool_calls is None and choice.message.content
+            assert not choice.message.content.lstrip().startswith("{")
+
+
+@pytest.mark.slow
+def test_a_conversation_with_a_call_and_its_result_goes_through(smollm2):
+    messages = [*WEATHER_ASK,
+                {"role": "assistant", "content": None, "tool_calls": [{
+                    "id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city":"Paris","unit":"celsius"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 degrees"}]
+    done = smollm2.chat.completions.create(model=PACKAGED_NAME, messages=messages, tools=TOOLS, seed=4,
+                                           tool_choice="none", temperature=0, max_tokens=30)
+    choice = done.choices[0]
+    assert choice.message.tool_calls is None and choice.message.content
+    assert done.usage.prompt_tokens > 40  # the call and its result are in the prompt
