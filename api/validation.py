@@ -123,6 +123,7 @@ def _number_in(body: dict, name: str, low: float, high: float, default: float) -
 
 
 _warned_unknown: set[str] = set()
+MAX_WARNED = 256  # names remembered: past them, no more warnings (random names must not grow memory)
 
 
 def _known_fields(body: dict, known: frozenset, lenient: bool) -> None:
@@ -133,7 +134,7 @@ def _known_fields(body: dict, known: frozenset, lenient: bool) -> None:
         if not lenient:
             raise bad_request(f"Unrecognized request argument supplied: {name}", param=name,
                               code="unknown_parameter")
-        if name not in _warned_unknown:
+        if name not in _warned_unknown and len(_warned_unknown) < MAX_WARNED:
             _warned_unknown.add(name)
             log.warning("ignoring the request field %r, which this API does not know (--lenient)", name)
     for name, (no_op, reason) in UNSUPPORTED.items():

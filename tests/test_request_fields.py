@@ -27,6 +27,7 @@ from shared import keys
 from shared.protocol import (FEATURE_GRAMMAR, FEATURE_LOGPROBS, FEATURE_PENALTIES, FEATURE_PROMPT_LOGPROBS,
                              FEATURES, WorkerInfo, params_json)
 from shared.settings import Settings
+from tests.processes import models_served, start, stop, wait_until
 from tests.test_api_errors import MODEL, _answer_in_background, _error, _register_worker, _seen_jobs
 from tests.test_integration import client, stack  # noqa: F401 (a real stack's fixtures, reused)
 
@@ -345,7 +346,7 @@ def test_a_static_worker_s_model_refuses_a_feature_at_the_route(fake_redis):
     client = create_app(Settings(request_timeout=5), client=fake_redis).test_client()
     error = _error(client.post(COMPLETIONS, json=_body(COMPLETIONS, logprobs=2)), 400, param="logprobs",
                    code="unsupported_parameter")
-    assert MODEL in error["message"] and "static" in error["message"]
+    assert f"serving {MODEL}" in error["message"] and "1 of its 1 live workers (static)" in error["message"]
     _error(client.post(CHATS, json=_body(CHATS, frequency_penalty=1)), 400, param="frequency_penalty",
            code="unsupported_parameter")
     _nothing_queued(fake_redis)
@@ -441,3 +442,21 @@ def test_the_openai_client_s_penalties_are_honoured_by_the_stack_s_workers(clien
     reply = client.completions.create(model="tiny-llama", prompt="Once upon a time", max_tokens=4, seed=3,
                                       presence_penalty=1.5, frequency_penalty=0.5, extra_body={"min_p": 0.05})
     assert reply.usage.completion_tokens >= 1
+
+
+def test_a_static_engine_pool_refuses_features_through_redis(stack, client, tiny_model_dirs, tmp_path):  # noqa: F811
+    """A real static-engine worker's heartbeat (in redis-server) announces no features: its model's
+    requests that need one are refused, the plain ones answered."""
+    worker = start(["worker", "--model", tiny_model_dirs["llama"], "--model-name", "tiny-static", "--engine", "static",
+                    "--dtype", "float32", "--batch", "4"], tmp_path, "static-worker", REDIS_URL=stack.redis_server.url)
+    try:
+        wait_until(lambda: "tiny-static" in models_served(stack.port), [worker], "/v1/models to list tiny-static")
+        for ask in (dict(logprobs=True), dict(frequency_penalty=0.5), dict(response_format={"type": "json_object"})):
+            with pytest.raises(openai.BadRequestError) as refused:
+                client.chat.completions.create(model="tiny-static", messages=CHAT, max_tokens=2, **ask)
+            assert refused.value.code == "unsupported_parameter" and refused.value.param == next(iter(ask))
+            assert "1 of its 1 live workers (static)" in refused.value.message
+        reply = client.chat.completions.create(model="tiny-static", messages=CHAT, max_tokens=2, logprobs=False)
+        assert reply.usage.completion_tokens >= 1
+    finally:
+        stop(worker)
