@@ -68,33 +68,33 @@ def _nothing_queued(fake_redis) -> None:
     (COMPLETIONS, "max_completion_tokens"), (COMPLETIONS, "audio"),
 ])
 def test_an_unknown_field_is_a_400_naming_it(served, fake_redis, path, name):
-    client, _ = served
-    error = _error(client.post(path, json=_body(path, **{name: 1})), 400, param=name, code="unknown_parameter")
+    api, _ = served
+    error = _error(api.post(path, json=_body(path, **{name: 1})), 400, param=name, code="unknown_parameter")
     assert error["message"] == f"Unrecognized request argument supplied: {name}"
     _nothing_queued(fake_redis)
 
 
 def test_an_unknown_field_with_null_is_still_unknown(served):
-    client, _ = served
-    _error(client.post(COMPLETIONS, json=_body(COMPLETIONS, foo=None)), 400, param="foo", code="unknown_parameter")
+    api, _ = served
+    _error(api.post(COMPLETIONS, json=_body(COMPLETIONS, foo=None)), 400, param="foo", code="unknown_parameter")
 
 
 def test_lenient_logs_each_unknown_field_once_and_ignores_it(fake_redis, caplog):
     queue = _register_worker(fake_redis)
-    client = create_app(Settings(request_timeout=5, lenient=True), client=fake_redis).test_client()
+    api = create_app(Settings(request_timeout=5, lenient=True), client=fake_redis).test_client()
     validation._warned_unknown.discard("lenient_extra")
     with caplog.at_level(logging.WARNING, logger="api.validation"):
         for _ in range(2):
             _answer_in_background(fake_redis, queue)
-            response = client.post(COMPLETIONS, json=_body(COMPLETIONS, lenient_extra={"x": 1}, max_tokens=2))
+            response = api.post(COMPLETIONS, json=_body(COMPLETIONS, lenient_extra={"x": 1}, max_tokens=2))
             assert response.status_code == 200, response.get_data(as_text=True)
     warnings = [r for r in caplog.records if "lenient_extra" in r.getMessage()]
     assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
     assert params_json(_seen_jobs[0].params) == {"max_tokens": 2, "seed": _seen_jobs[0].params.seed}
     # Lenient is about unknown fields only: a known field this server cannot honour is still refused.
-    _error(client.post(COMPLETIONS, json=_body(COMPLETIONS, suffix="The end.")), 400, param="suffix",
+    _error(api.post(COMPLETIONS, json=_body(COMPLETIONS, suffix="The end.")), 400, param="suffix",
            code="unsupported_parameter")
-    _error(client.post(CHATS, json=_body(CHATS, lenient_extra=1, presence_penalty=9)), 400,
+    _error(api.post(CHATS, json=_body(CHATS, lenient_extra=1, presence_penalty=9)), 400,
            param="presence_penalty")
 
 
@@ -120,18 +120,18 @@ def test_parse_takes_lenient_as_an_argument():
     (CHATS, "function_call", "auto"),
 ])
 def test_an_unsupported_field_is_a_400_naming_it(served, fake_redis, path, name, value):
-    client, _ = served
-    error = _error(client.post(path, json=_body(path, **{name: value})), 400, param=name,
+    api, _ = served
+    error = _error(api.post(path, json=_body(path, **{name: value})), 400, param=name,
                    code="unsupported_parameter")
     assert "not supported" in error["message"]
     _nothing_queued(fake_redis)
 
 
 def test_the_deprecated_functions_say_to_use_tools(served):
-    client, _ = served
-    error = _error(client.post(CHATS, json=_body(CHATS, functions=[{"name": "f"}])), 400, param="functions")
+    api, _ = served
+    error = _error(api.post(CHATS, json=_body(CHATS, functions=[{"name": "f"}])), 400, param="functions")
     assert "'tools'" in error["message"]
-    error = _error(client.post(CHATS, json=_body(CHATS, function_call={"name": "f"})), 400, param="function_call")
+    error = _error(api.post(CHATS, json=_body(CHATS, function_call={"name": "f"})), 400, param="function_call")
     assert "'tool_choice'" in error["message"]
 
 
@@ -197,8 +197,8 @@ def test_the_deprecated_functions_say_to_use_tools(served):
     (CHATS, {"prompt_cache_key": 1}, "prompt_cache_key"),
 ])
 def test_a_wrong_value_is_a_400_naming_its_field(served, fake_redis, path, fields, param):
-    client, _ = served
-    _error(client.post(path, json=_body(path, **fields)), 400, param=param)
+    api, _ = served
+    _error(api.post(path, json=_body(path, **fields)), 400, param=param)
     _nothing_queued(fake_redis)
 
 
@@ -223,8 +223,8 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "open_gate", "a
     ([{"role": "user", "content": "hi", "name": 3}], "messages[0].name"),
 ])
 def test_a_wrong_message_is_a_400_naming_where(served, messages, param):
-    client, _ = served
-    _error(client.post(CHATS, json={"model": MODEL, "messages": messages}), 400, param=param)
+    api, _ = served
+    _error(api.post(CHATS, json={"model": MODEL, "messages": messages}), 400, param=param)
 
 
 # Accepted: no-op values, metadata, and what the fields turn into
@@ -246,11 +246,11 @@ NO_OPS = {
 @pytest.mark.parametrize("path", [COMPLETIONS, CHATS])
 def test_no_op_values_and_metadata_are_accepted_and_change_nothing(fake_redis, path):
     queue = _register_worker(fake_redis)  # the static engine: no features, none needed
-    client = create_app(Settings(request_timeout=5), client=fake_redis).test_client()
+    api = create_app(Settings(request_timeout=5), client=fake_redis).test_client()
     sent = []
     for fields in ({}, NO_OPS[path]):
         _answer_in_background(fake_redis, queue)
-        response = client.post(path, json=_body(path, seed=5, max_tokens=2, **fields))
+        response = api.post(path, json=_body(path, seed=5, max_tokens=2, **fields))
         assert response.status_code == 200, response.get_data(as_text=True)
         sent.append(params_json(_seen_jobs[0].params))
     assert sent[0] == sent[1] == {"max_tokens": 2, "seed": 5}
@@ -343,19 +343,19 @@ def _worker(worker_id: str, features) -> WorkerInfo:
 
 def test_a_static_worker_s_model_refuses_a_feature_at_the_route(fake_redis):
     _register_worker(fake_redis)  # announces no features, as the static engine
-    client = create_app(Settings(request_timeout=5), client=fake_redis).test_client()
-    error = _error(client.post(COMPLETIONS, json=_body(COMPLETIONS, logprobs=2)), 400, param="logprobs",
+    api = create_app(Settings(request_timeout=5), client=fake_redis).test_client()
+    error = _error(api.post(COMPLETIONS, json=_body(COMPLETIONS, logprobs=2)), 400, param="logprobs",
                    code="unsupported_parameter")
     assert f"serving {MODEL}" in error["message"] and "1 of its 1 live workers (static)" in error["message"]
-    _error(client.post(CHATS, json=_body(CHATS, frequency_penalty=1)), 400, param="frequency_penalty",
+    _error(api.post(CHATS, json=_body(CHATS, frequency_penalty=1)), 400, param="frequency_penalty",
            code="unsupported_parameter")
     _nothing_queued(fake_redis)
 
 
 def test_a_feature_its_workers_announce_reaches_the_job(served, fake_redis):
-    client, queue = served
+    api, queue = served
     _answer_in_background(fake_redis, queue)
-    response = client.post(COMPLETIONS, json=_body(COMPLETIONS, presence_penalty=0.5, stop_token_ids=[2],
+    response = api.post(COMPLETIONS, json=_body(COMPLETIONS, presence_penalty=0.5, stop_token_ids=[2],
                                                    logit_bias={"5": -100}, max_tokens=2))
     assert response.status_code == 200, response.get_data(as_text=True)
     params = _seen_jobs[0].params
@@ -384,8 +384,8 @@ def test_a_batch_line_with_an_unknown_field_is_refused_unless_lenient():
 
 @pytest.mark.parametrize("lenient", [False, True])
 def test_a_batch_upload_follows_the_lenient_setting(fake_redis, lenient):
-    client = create_app(Settings(lenient=lenient), client=fake_redis).test_client()
-    response = client.post("/v1/files", data={"purpose": "batch",
+    api = create_app(Settings(lenient=lenient), client=fake_redis).test_client()
+    response = api.post("/v1/files", data={"purpose": "batch",
                                                    "file": (io.BytesIO(_batch_line(_body(CHATS, x=1))), "lore.jsonl")})
     if lenient:
         assert response.status_code == 200, response.get_data(as_text=True)
@@ -402,7 +402,7 @@ def test_the_description_lists_exactly_each_route_s_fields():
     assert schemas["CompletionRequest"]["additionalProperties"] is False
 
 
-# Through the official client, against a real stack
+# Through the official api, against a real stack
 
 def test_the_openai_client_gets_a_400_naming_an_unknown_field(client):  # noqa: F811
     for call in (lambda **kw: client.completions.create(model="tiny-llama", prompt="Once", max_tokens=2, **kw),
