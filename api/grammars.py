@@ -19,11 +19,12 @@ a small model cannot wander into endless blank lines; a schema's own "x-guidance
 (llguidance's, e.g. {"whitespace_flexible": true}) override that. `strict` changes nothing: every
 schema is enforced.
 
-Cost (SmolLM2's 49,152 tokens, this machine): a typical schema checks in ~0.5 ms, a 25 KB one in
-~9 ms, a 130 KB one in ~48 ms, so a grammar is at most MAX_GRAMMAR_BYTES (~25 ms); llguidance drops
-Python's lock while it checks, and under gevent a large one is checked on gevent's thread pool, so
-the process' other players go on meanwhile. The LLTokenizer it checks against is built once per
-tokenizer (api/tokenizers.py, ~0.3 s).
+Cost (SmolLM2's 49,152 tokens, this 2-core machine; docs/serving.md, Structured output): a
+typical schema checks in 0.2-2 ms, a 20 KB grammar in ~9 ms, a 48 KB one in ~28 ms, so a grammar is
+at most MAX_GRAMMAR_BYTES (~40 ms); llguidance drops Python's lock while it checks, and under gevent
+one of OFF_LOOP_BYTES or more is checked on gevent's thread pool, so the process' other players go
+on meanwhile. A grammar checked once is remembered (per tokenizer) by its hash. The LLTokenizer it
+is checked against is built once per tokenizer (api/tokenizers.py, ~0.4 s, holding the lock).
 """
 from __future__ import annotations
 
