@@ -28,6 +28,7 @@ from api.openai_format import SSE_DONE, Shape, sse, usage
 from api.openapi import document
 from api.tokenizers import TokenizerCache
 from api.features import check_features
+from api.logprobs import Rendering, StreamState
 from api.validation import CompletionRequest, check_max_tokens, check_token_ids, parse_chat, parse_completion
 from shared.protocol import Failure, Final, Job, TextDelta, WorkerInfo
 from shared.redis_client import connect, explain, is_cluster, is_sentinel
@@ -127,6 +128,10 @@ def create_app(settings: Optional[Settings] = None, client: Optional[redis.Redis
         jobs = _jobs(req, prompts, workers[0], request_id, settings.request_timeout)
         prompt_tokens = sum(len(p) for p in prompts)
         shape = Shape(request_id, req.model, chat, tool_spec)
+        shape.n = req.n
+        if req.params.logprobs is not None or req.echo:
+            shape.rendering = Rendering(tokenizer, chat, req.params.logprobs is not None,
+                                        _echo_texts(req, tokenizer) if req.echo else None)
         if grammar is not None:
             grammars.store(client, req.model, grammar)  # before the jobs: a worker fetches it
         pending = broker.submit(jobs, cap)
@@ -231,6 +236,12 @@ def _tokenize(req: CompletionRequest, tokenizer, chat: bool,
     return prompts
 
 
+def _echo_texts(req: CompletionRequest, tokenizer) -> list[str]:
+    """Completions' echo: each choice's prompt (in the jobs' order), as given or its ids decoded."""
+    return [prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
+            for prompt in req.prompts for _ in range(req.n)]
+
+
 def _jobs(req: CompletionRequest, prompts: list[list[int]], worker: WorkerInfo,
           request_id: str, timeout_s: float) -> list[Job]:
     jobs = []
@@ -286,6 +297,11 @@ def _stream(pending: Pending, shape: Shape, include_usage: bool, prompt_tokens: 
     sent = [""] * len(pending.jobs)
     finals: list[Optional[Final]] = [None] * len(pending.jobs)
     readers = [tools.CallReader(shape.tool_spec) for _ in pending.jobs] if shape.tool_spec else None
+    rendering, streamed = shape.rendering, StreamState(len(pending.jobs))  # api/logprobs.py
+    asked = rendering is not None and rendering.asked
+
+    def unsent_logprobs(index: int) -> Optional[dict]:
+        return rendering.piece(index, streamed.flush(index)) if asked else None
     try:
         if shape.chat:
             for index in range(len(pending.jobs)):
@@ -294,6 +310,10 @@ def _stream(pending: Pending, shape: Shape, include_usage: bool, prompt_tokens: 
             if isinstance(result, Failure):
                 yield sse(counted.failed(_failure_error(result)).body())
                 return
+            if rendering is not None and rendering.echo and not streamed.echoed[index]:
+                streamed.echoed[index] = True  # completions' echo: the prompt (and its logprobs) first
+                yield sse(shape.chunk(index, rendering.echo[index],
+                                      logprobs=rendering.echo_piece(index, result.prompt_logprobs)))
             new = _unsent(sent[index], result.offset if isinstance(result, TextDelta) else 0, result.text)
             if new is None:
                 yield sse(counted.failed(ApiError(500, "the worker writing this answer died, and the worker "
@@ -305,14 +325,20 @@ def _stream(pending: Pending, shape: Shape, include_usage: bool, prompt_tokens: 
                 counted.text_sent()
             if isinstance(result, Final):
                 finals[index] = result
+            if asked:  # the entries of the text it carries, those already sent skipped as its text is
+                streamed.take(index, result.logprobs, result.logprobs_start if isinstance(result, TextDelta) else 0)
             if readers:  # a chat with tools: the reply as text, or as a tool call's deltas
-                for chunk in _tool_chunks(shape, index, readers[index], new, result):
+                chunks = _tool_chunks(shape, index, readers[index], new, result)
+                if chunks and asked:  # the first chunk of a piece carries its logprobs
+                    chunks[0]["choices"][0]["logprobs"] = unsent_logprobs(index)
+                for chunk in chunks:
                     yield sse(chunk)
             elif isinstance(result, Final):
-                yield sse(shape.chunk(index, new or None, finish_reason=result.finish_reason))
-            elif new:
-                yield sse(shape.chunk(index, new))
-        counted.answered(usage(prompt_tokens, finals))
+                yield sse(shape.chunk(index, new or None, finish_reason=result.finish_reason,
+                                      logprobs=unsent_logprobs(index)))
+            elif new or streamed.waiting[index]:
+                yield sse(shape.chunk(index, new, logprobs=unsent_logprobs(index)))
+        counted.answered(usage(prompt_tokens, finals, shape.n))
         if include_usage:
             yield sse(shape.usage_chunk(finals, prompt_tokens))
         yield SSE_DONE

@@ -1,6 +1,7 @@
 """The models' tokenizers, as each worker stored them in Redis, loaded once per API process."""
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import threading
@@ -11,6 +12,7 @@ import jinja2.meta
 import llguidance
 import llguidance.hf
 from transformers import AutoTokenizer
+from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2's byte-level alphabet
 
 from api import tools
 from shared import keys
@@ -25,6 +27,7 @@ class Tokenizer:
         self._lock = threading.Lock()
         self._ll_tokenizer: Optional[llguidance.LLTokenizer] = None
         self.takes_tools = _template_reads_tools(hf_tokenizer.chat_template)
+        self._byte_decoder: Optional[dict] = None  # token_bytes', made at its first use
 
     @property
     def vocab_size(self) -> int:
@@ -53,6 +56,39 @@ class Tokenizer:
             if self._ll_tokenizer is None:
                 self._ll_tokenizer = llguidance.hf.from_tokenizer(self._tok, n_vocab=len(self._tok))
             return self._ll_tokenizer
+
+    def decode(self, ids: list[int]) -> str:
+        """Token ids' text (a completions prompt given as ids, for echo), special tokens left out."""
+        with self._lock:
+            return self._tok.decode(ids, skip_special_tokens=True)
+
+    def token_bytes(self, ids: list[int]) -> list[bytes]:
+        """Each token's own bytes (its piece of the text; a byte-level token's may be part of a
+        character), for logprobs' `token` and `bytes` (api/logprobs.py)."""
+        with self._lock:
+            if self._byte_decoder is None:
+                self._byte_decoder = _byte_decoder(self._tok)
+            pieces = self._tok.convert_ids_to_tokens(ids)
+        return [_piece_bytes(piece, self._byte_decoder) for piece in pieces]
+
+
+def _byte_decoder(hf_tokenizer) -> dict:
+    """Byte-level BPE's map from its vocabulary's characters back to bytes (GPT-2's, as SmolLM2 and
+    Llama 3 use); {} for other tokenizers (SentencePiece's pieces, with their <0xHH> byte tokens)."""
+    backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+    decoder = json.loads(backend.decoder.__getstate__()) if backend is not None and backend.decoder else {}
+    kinds = [d.get("type") for d in decoder.get("decoders", [decoder])]
+    return {char: byte for byte, char in bytes_to_unicode().items()} if "ByteLevel" in kinds else {}
+
+
+def _piece_bytes(piece: Optional[str], byte_decoder: dict) -> bytes:
+    if piece is None:  # an id past the tokenizer's own (a padded vocabulary)
+        return b""
+    if byte_decoder and all(char in byte_decoder for char in piece):
+        return bytes(byte_decoder[char] for char in piece)
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # SentencePiece's byte fallback
+        return bytes([int(piece[3:5], 16)])
+    return piece.replace("\u2581", " ").encode()  # SentencePiece's word boundary is a space
 
 
 def _template_reads_tools(template) -> bool:

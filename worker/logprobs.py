@@ -13,6 +13,8 @@ skips its prefix-cache lookup), and the runner hands each prompt chunk's rows he
 """
 from __future__ import annotations
 
+from os.path import commonprefix
+
 import torch
 
 Entry = tuple[float, list]  # (the chosen token's logprob, [[id, logprob], ...the k likeliest])
@@ -20,18 +22,32 @@ Entry = tuple[float, list]  # (the chosen token's logprob, [[id, logprob], ...th
 
 def entries(logits: torch.Tensor, chosen: list[int], ks: list[int]) -> list[Entry]:
     """logits: [rows, vocab], the model's own; `chosen`: each row's token; `ks`: how many of the
-    likeliest each row wants beside it. log p = logit - logsumexp(row), in float32: the same numbers
-    as log_softmax, without a [rows, vocab] result (only the chosen and the top k are kept)."""
-    rows = logits.float()
-    norm = torch.logsumexp(rows, dim=-1, keepdim=True)
-    picked = (rows.gather(1, torch.tensor(chosen, device=rows.device)[:, None]) - norm)[:, 0].tolist()
-    most = max(ks)
+    likeliest each row wants beside it. torch's log_softmax over the rows in float32, then the
+    chosen token's and the k likeliest's, in one move of each to Python."""
+    rows = torch.log_softmax(logits.float(), dim=-1)
+    picked = rows.gather(1, torch.tensor(chosen, device=rows.device)[:, None])[:, 0].tolist()
+    most = min(max(ks), rows.shape[-1])
     if not most:
         return [(lp, []) for lp in picked]
-    top = rows.topk(min(most, rows.shape[-1]), dim=-1)  # sorted, likeliest first
-    values, ids = (top.values - norm).tolist(), top.indices.tolist()
+    values, ids = top_k(rows, most)
+    values, ids = values.tolist(), ids.tolist()
     return [(lp, [[i, v] for i, v in zip(row_ids[:k], row_values[:k])])
             for lp, row_ids, row_values, k in zip(picked, ids, values, ks)]
+
+
+def top_k(rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest of each row, largest first: torch.topk's values, found ~3x faster on the CPU
+    (1.7 ms against 5.4 at 64 rows of SmolLM2's 49,152, k=5): the k largest lie in the k blocks of
+    the row with the largest maxima, so topk runs on those blocks only, after one pass of amax."""
+    count, vocab = rows.shape
+    width = next((w for w in (1024, 512, 256, 128) if vocab % w == 0 and vocab // w >= 2 * k), 0)
+    if not width:  # a vocabulary no block width divides, or too small to gain
+        return rows.topk(k, dim=-1)
+    blocks = rows.view(count, vocab // width, width)
+    best = blocks.amax(dim=-1).topk(k, dim=-1).indices  # [rows, k]: the blocks that hold the top k
+    within = blocks.gather(1, best[:, :, None].expand(count, k, width)).view(count, k * width).topk(k, dim=-1)
+    block = best.gather(1, within.indices // width)
+    return within.values, block * width + within.indices % width
 
 
 def prompt_rows(plan) -> list[tuple[int, object, int]]:
@@ -64,13 +80,27 @@ def score_prompts(model, hidden: torch.Tensor, rows: list[tuple[int, object, int
 
 def text_offsets(decode, ids: list[int]) -> list[int]:
     """Where each token's text starts in the text of `ids` (`decode`: ids -> text), decoded as a
-    sequence decodes its reply (worker/sequence.py): a short window at a time, a token that ends
-    inside a character waiting for the rest (both then start where that character does)."""
+    sequence decodes its reply (worker/sequence.py): a short window at a time, tokens that end
+    inside a character waiting for the rest, then placed by `split_offsets`."""
     offsets, length, prefix, read = [], 0, 0, 0
     for end in range(1, len(ids) + 1):
         offsets.append(length)
         before, after = decode(ids[prefix:read]), decode(ids[prefix:end])
         if len(after) > len(before) and not after.endswith("\ufffd"):
-            length += len(after) - len(before)
+            new = after[len(before):]
+            if end - read > 1:
+                offsets[read + 1:end] = split_offsets(decode, ids[prefix:end], read - prefix, length, new)
+            length += len(new)
             prefix, read = read, end
     return offsets
+
+
+def split_offsets(decode, window: list[int], read: int, base: int, new: str) -> list[int]:
+    """window[read:] (2 tokens or more) came out as one piece of text, `new`, at `base` of the text
+    (window[:read] is context, already out): where the text of each but the first starts. A token
+    starts after what the tokens before it decode to for good: the tokens of a character split
+    over them all start where it does, and a byte that never makes a character is its U+FFFD."""
+    before = decode(window[:read])
+    whole = before + new
+    return [base + max(0, len(commonprefix([decode(window[:end]), whole])) - len(before))
+            for end in range(read + 1, len(window))]

@@ -9,7 +9,7 @@ import torch
 
 from shared.protocol import Final, Job, TextDelta
 from worker.logits import changes_logits
-from worker.logprobs import text_offsets
+from worker.logprobs import split_offsets, text_offsets
 from worker.sampling import new_generator
 
 # Prompt tokens decoded in front of the first new token, so that tokenizers which drop a leading
@@ -84,12 +84,11 @@ class Sequence:
         if self.constraint is not None:
             self.constraint.consume(token)
         if self._incremental:
-            start = len(self.text)
-            self._window.append(token)
-            self.text += self._decode_new()
-            if self.logprobs is not None:
+            if self.logprobs is not None:  # its text starts where the text ends, or later (_take_text)
                 logprob, top = entry if entry is not None else (None, [])
-                self.logprobs.append([token, logprob, start, top])
+                self.logprobs.append([token, logprob, len(self.text), top])
+            self._window.append(token)
+            self._take_text()
             if self._cut_at_stop_string():
                 self.finish_reason = "stop"  # the text ends where the stop string began
                 return
@@ -119,7 +118,7 @@ class Sequence:
     def _finish(self, reason: str) -> None:
         self.finish_reason = reason
         if self._incremental:  # what was held back as half a character is all there will be
-            self.text += self._decode_new(final=True)
+            self._take_text(final=True)
         else:  # decoded after the same prompt context as the incremental path, so both agree
             context = self.prompt_ids[-_CONTEXT_TOKENS:]
             self.text = self._decode(context + self.output_ids)[len(self._decode(context)):]
@@ -180,6 +179,17 @@ class Sequence:
             return ""
         self._prefix_offset, self._read_offset = self._read_offset, len(self._window)
         return after[len(before):]
+
+    def _take_text(self, final: bool = False) -> None:
+        """The text of the window's new tokens, once whole; with logprobs, the tokens whose text
+        came out together (a character split over tokens held them back) get their own offsets."""
+        prefix, read = self._prefix_offset, self._read_offset
+        new = self._decode_new(final)
+        if new and self.logprobs is not None and len(self._window) - read > 1:
+            starts = split_offsets(self._decode, self._window[prefix:], read - prefix, len(self.text), new)
+            for entry, start in zip(self.logprobs[-len(starts):], starts):
+                entry[2] = start
+        self.text += new
 
     def _cut_at_stop_string(self) -> bool:
         found = [i for i in (self.text.find(s) for s in self.params.stop) if i >= 0]
