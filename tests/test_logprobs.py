@@ -248,6 +248,42 @@ def test_a_dead_workers_logprobs_job_is_heard_once_written_again(fake_redis, mon
     assert len(final.logprobs) == 12
 
 
+def test_prompt_logprobs_of_a_chunked_prompt_beside_decodes(tiny_llama):
+    """A 60-token prompt computed 16 tokens a step beside a decoding request (each chunk's rows
+    scored in its step) scores each prompt token as one 512-token step does, and as the reply path
+    scores the same tokens written."""
+    from dataclasses import replace
+
+    from tests.test_continuous_engine import SETTINGS, make_engine
+    prompt = [(7 * i) % 300 + 4 for i in range(60)]
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=3, prompt_logprobs=3)
+    chunked = make_engine(tiny_llama, replace(SETTINGS, max_batch_tokens=16, prefill_chunk=16, step_fill=16))
+    beside = chunked.add(Job(id="beside", model="m", prompt_ids=[5, 6, 7], timeout_s=60,
+                             params=SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)))
+    chunked.step()
+    seq = chunked.add(Job(id="long", model="m", prompt_ids=prompt, timeout_s=60, params=params))
+    steps = 0
+    while not seq.finished:
+        chunked.step()
+        steps += 1
+    assert steps >= 4 and not beside.finished  # in chunks, beside the decodes
+    whole = make_engine(tiny_llama, replace(SETTINGS, max_batch_tokens=512, kv_blocks=256))
+    [alone] = _run(whole, Job(id="long", model="m", prompt_ids=prompt, timeout_s=60, params=params))
+    entries, expected = seq.final().prompt_logprobs, alone.final().prompt_logprobs
+    assert [e[0] for e in entries] == prompt and entries[0][1] is None
+    for mine, theirs in zip(entries[1:], expected[1:]):
+        assert mine[1] == pytest.approx(theirs[1], abs=1e-5)
+        assert [lp for _, lp in mine[3]] == pytest.approx([lp for _, lp in theirs[3]], abs=1e-5)
+    # The prompt's 10 first tokens written as a reply (forced by logit_bias) score the same.
+    forced = make_engine(tiny_llama)
+    for i in range(1, 11):
+        [reply] = _run(forced, Job(id=f"w{i}", model="m", prompt_ids=prompt[:i], timeout_s=60,
+                                   params=SamplingParams(max_tokens=1, logprobs=3, temperature=0,
+                                                         logit_bias={str(prompt[i]): 100.0})))
+        assert reply.output_ids == [prompt[i]]
+        assert reply.logprobs[0][1] == pytest.approx(entries[i][1], abs=1e-5)
+
+
 # The packaged SmolLM2, in process
 
 @pytest.fixture(scope="module")
