@@ -5,6 +5,7 @@ import gc
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 
@@ -113,6 +114,7 @@ def main(argv=None) -> None:
     if FEATURE_GRAMMAR in engine.features:
         from worker.constraint import Grammars  # llguidance
         grammars = Grammars(loaded.tokenizer, loaded.vocab_size, queue.grammar)
+        threading.Thread(target=grammars.warm, name="grammars-warm", daemon=True).start()
     worker = Worker(queue, engine, info, settings, grammars)
     worker.install_signal_handlers()
     if settings.metrics_port:

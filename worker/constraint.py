@@ -59,9 +59,20 @@ class Grammars:
         self._hf_tokenizer = hf_tokenizer
         self._width = vocab_width
         self._fetch = fetch
-        self._tokenizer: Optional[llguidance.LLTokenizer] = None  # built at the first grammar (~0.3 s)
+        self._tokenizer: Optional[llguidance.LLTokenizer] = None  # built by warm(), or at the first grammar
         self._matchers: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
+
+    def warm(self) -> None:
+        """Build llguidance's view of the tokenizer now (~0.3 s), not at the first grammar's request:
+        the worker calls it on a thread at start."""
+        with self._lock:
+            self._llguidance_tokenizer()
+
+    def _llguidance_tokenizer(self) -> llguidance.LLTokenizer:
+        if self._tokenizer is None:
+            self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self._width)
+        return self._tokenizer
 
     def constraint(self, digest: str) -> Constraint:
         """A new request's constraint; ValueError if the grammar is gone or does not compile."""
@@ -80,9 +91,7 @@ class Grammars:
         if text is None:
             raise ValueError(f"grammar {digest[:12]}... is not in Redis (expired, or the API that "
                              f"stored it used another Redis)")
-        if self._tokenizer is None:
-            self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self._width)
-        matcher = llguidance.LLMatcher(self._tokenizer, text)
+        matcher = llguidance.LLMatcher(self._llguidance_tokenizer(), text)
         if matcher.is_error():
             raise ValueError(f"grammar {digest[:12]}... does not compile: {matcher.get_error()}")
         return matcher

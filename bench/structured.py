@@ -1,0 +1,225 @@
+"""Structured output's cost: a crowd whose every request carries a JSON schema against the same
+crowd unconstrained, through the whole stack, in one run; and what a schema's first use costs.
+
+    python -m bench.structured --out docs/results/structured-output
+    python -m bench.structured --players 8 --repeats 1 --requests 1      # a quick check
+
+Each constrained request takes one of SCHEMAS (eight shapes a game asks an NPC for: enums,
+integer ranges, bounded strings) through `response_format`; the unconstrained crowd asks the same
+prompts with none. Both sample (temperature 0.8) with the same max_tokens. A constrained reply ends
+where its JSON ends, an unconstrained one runs to max_tokens (ignore_eos), so tokens/s compares
+rates of writing, not answers. The lone player's time per token is the median gap between its
+streamed chunks. The compile cost is measured in this process on the packaged SmolLM2's
+tokenizer: what the API does to check a schema (api/grammars.py) and what a worker does at the
+schema's first use (worker/constraint.py: the matcher and its first mask), and the same again
+from the worker's cache. Prints a table, writes <out>.json and <out>.png.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from bench.load import run_crowd
+from bench.stack import stack
+from bench.stats import ratio
+
+WORDS = ("the old well", "the dragon", "a cursed crown", "the harbour", "the goblin king", "a lost map",
+         "the frozen tower", "the bard's song")
+_TEXT = {"type": "string", "minLength": 1}
+SCHEMAS = {
+    "npc_line": {"type": "object", "properties": {
+        "line": {**_TEXT, "maxLength": 80}, "mood": {"enum": ["grumpy", "cheerful", "wary", "sly"]},
+        "gold_offered": {"type": "integer", "minimum": 0, "maximum": 500}},
+        "required": ["line", "mood", "gold_offered"], "additionalProperties": False},
+    "quest": {"type": "object", "properties": {
+        "title": {**_TEXT, "maxLength": 40}, "goal": {**_TEXT, "maxLength": 80},
+        "reward": {"type": "integer", "minimum": 10, "maximum": 1000},
+        "difficulty": {"enum": ["easy", "hard", "deadly"]}},
+        "required": ["title", "goal", "reward", "difficulty"], "additionalProperties": False},
+    "shop_offer": {"type": "object", "properties": {
+        "item": {**_TEXT, "maxLength": 30}, "price": {"type": "integer", "minimum": 1, "maximum": 999},
+        "haggle": {"type": "boolean"}},
+        "required": ["item", "price", "haggle"], "additionalProperties": False},
+    "combat_move": {"type": "object", "properties": {
+        "action": {"enum": ["strike", "parry", "flee", "cast"]}, "target": {**_TEXT, "maxLength": 30},
+        "damage": {"type": "integer", "minimum": 0, "maximum": 50}, "taunt": {**_TEXT, "maxLength": 60}},
+        "required": ["action", "target", "damage", "taunt"], "additionalProperties": False},
+    "choice": {"type": "object", "properties": {
+        "option": {"enum": ["help", "refuse", "bargain"]}, "reason": {**_TEXT, "maxLength": 100}},
+        "required": ["option", "reason"], "additionalProperties": False},
+    "item": {"type": "object", "properties": {
+        "name": {**_TEXT, "maxLength": 30}, "rarity": {"enum": ["common", "rare", "legendary"]},
+        "weight": {"type": "integer", "minimum": 1, "maximum": 100}, "lore": {**_TEXT, "maxLength": 80}},
+        "required": ["name", "rarity", "weight", "lore"], "additionalProperties": False},
+    "weather": {"type": "object", "properties": {
+        "sky": {"enum": ["clear", "storm", "fog", "snow"]},
+        "wind": {"type": "integer", "minimum": 0, "maximum": 12}, "omen": {**_TEXT, "maxLength": 80}},
+        "required": ["sky", "wind", "omen"], "additionalProperties": False},
+    "rumour": {"type": "object", "properties": {
+        "about": {**_TEXT, "maxLength": 40}, "truth": {"type": "integer", "minimum": 0, "maximum": 100},
+        "whisper": {**_TEXT, "maxLength": 100}, "tags": {"type": "array", "items": {"enum": ["war", "gold", "magic"]},
+                                                        "maxItems": 3}},
+        "required": ["about", "truth", "whisper"], "additionalProperties": False},
+}
+
+
+def response_format(name: str) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": SCHEMAS[name], "strict": True}}
+
+
+class NpcAsk:
+    """The crowd's prompts: a player's question to the innkeeper (bench.load's RequestShape's role)."""
+
+    def __init__(self, tokens: int):
+        self.tokens = tokens
+
+    def draw(self, rng: random.Random) -> tuple[str, int]:
+        return f"A player asks the innkeeper about {rng.choice(WORDS)}. Answer as JSON.\n", self.tokens
+
+
+def compile_costs() -> list[dict]:
+    """Per schema, in ms: the API's check, a worker's first compile and mask, and a cached start."""
+    import llguidance.torch
+    import torch
+
+    from api import grammars as api_grammars  # the API's own path, from the request's field
+    from api.tokenizers import Tokenizer
+    from api.validation import parse_completion
+    from worker import model_loader
+    from worker.constraint import Grammars
+
+    tokenizer = model_loader.load(model_loader.PACKAGED, transformers_model=False).tokenizer
+    width = len(tokenizer)
+    rows, stored = [], {}
+    grammars, api_tokenizer = Grammars(tokenizer, width, stored.get), Tokenizer(tokenizer)
+    for name in SCHEMAS:
+        start = time.perf_counter()
+        req = parse_completion({"model": "m", "prompt": "p", "response_format": response_format(name)})
+        grammar = api_grammars.for_request(req, api_tokenizer, None)
+        checked = time.perf_counter()
+        digest = grammar.digest
+        stored[digest] = grammar.text
+        first = grammars.constraint(digest)
+        bitmask = torch.full(llguidance.torch.get_bitmask_shape(1, width), -1, dtype=torch.int32)
+        llguidance.torch.fill_next_token_bitmask(first.matcher, bitmask, 0)
+        compiled = time.perf_counter()
+        again = grammars.constraint(digest)
+        llguidance.torch.fill_next_token_bitmask(again.matcher, bitmask, 0)
+        cached = time.perf_counter()
+        rows.append({"schema": name, "api_check_ms": round((checked - start) * 1e3, 2),
+                     "worker_first_ms": round((compiled - checked) * 1e3, 2),
+                     "worker_cached_ms": round((cached - compiled) * 1e3, 3)})
+    rows[0]["includes_tokenizer_build"] = True  # the API's and the worker's llguidance tokenizers
+    return rows
+
+
+def crowd(url: str, model: str, players: int, requests: int, tokens: int, constrained: bool,
+          stream: bool, seed: int) -> dict:
+    names = list(SCHEMAS)
+    extra = (lambda rng: {"response_format": response_format(rng.choice(names))}) if constrained else None
+    return run_crowd(url, model, players, requests, tokens, temperature=0.8, ignore_eos=not constrained,
+                     seed=seed, shape=NpcAsk(tokens), stream=stream, extra=extra, progress=False)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--players", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=2, help="requests per player in the crowd")
+    parser.add_argument("--tokens", type=int, default=64, help="max_tokens of every request")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each crowd; medians reported")
+    parser.add_argument("--out", default="bench/results/structured-output")
+    args = parser.parse_args(argv)
+
+    costs = compile_costs()
+    runs: dict[str, list[dict]] = {k: [] for k in ("crowd plain", "crowd json", "lone plain", "lone json")}
+    with stack({}, label="structured") as running:
+        model = running.model
+        for name in SCHEMAS:  # every schema once, so the crowds measure cached grammars
+            crowd(running.url, model, 1, 1, 8, True, False, seed=0)
+        for repeat in range(args.repeats):
+            order = (False, True) if repeat % 2 == 0 else (True, False)  # neither always goes first
+            for constrained in order:
+                kind = "json" if constrained else "plain"
+                runs[f"lone {kind}"].append(crowd(running.url, model, 1, 4, args.tokens, constrained, True, 7 + repeat))
+                runs[f"crowd {kind}"].append(crowd(running.url, model, args.players, args.requests, args.tokens,
+                                                   constrained, False, 100 * repeat))
+                print(f"repeat {repeat + 1}: {kind} done", file=sys.stderr)
+
+    def med(key, field):
+        values = [r[field] for r in runs[key] if r.get(field) is not None]
+        return statistics.median(values) if values else None
+
+    summary = {
+        "crowd_tokens_per_s": {"plain": med("crowd plain", "tokens_per_s"), "json": med("crowd json", "tokens_per_s")},
+        "lone_gap_ms": {"plain": med("lone plain", "gap_median_ms"), "json": med("lone json", "gap_median_ms")},
+        "lone_s_per_token": {"plain": med("lone plain", "median_s_per_token"),
+                             "json": med("lone json", "median_s_per_token")},
+        "errors": {k: sum(r["errors"] for r in v) for k, v in runs.items()},
+    }
+    summary["crowd_ratio"] = ratio(summary["crowd_tokens_per_s"]["json"], summary["crowd_tokens_per_s"]["plain"])
+    summary["lone_gap_ratio"] = ratio(summary["lone_gap_ms"]["json"], summary["lone_gap_ms"]["plain"])
+
+    print(f"\n{args.players} players x {args.requests} requests, max_tokens {args.tokens}, "
+          f"medians of {args.repeats} runs\n")
+    print("| | unconstrained | 8 JSON schemas | ratio | bar |\n|---|---:|---:|---:|---|")
+    print(f"| crowd tokens/s | {summary['crowd_tokens_per_s']['plain']} | {summary['crowd_tokens_per_s']['json']} "
+          f"| {summary['crowd_ratio']} | >= 0.85 |")
+    print(f"| lone player, ms between tokens | {summary['lone_gap_ms']['plain']} | {summary['lone_gap_ms']['json']} "
+          f"| {summary['lone_gap_ratio']} | <= 1.15 |")
+    print(f"| errors | {summary['errors']['crowd plain'] + summary['errors']['lone plain']} | "
+          f"{summary['errors']['crowd json'] + summary['errors']['lone json']} | | |")
+    print("\n| schema | API check ms | worker first use ms | worker cached ms |\n|---|---:|---:|---:|")
+    for row in costs:
+        note = " (with the tokenizer's build)" if row.get("includes_tokenizer_build") else ""
+        print(f"| {row['schema']}{note} | {row['api_check_ms']} | {row['worker_first_ms']} | {row['worker_cached_ms']} |")
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    record = {"when": datetime.datetime.now().isoformat(timespec="seconds"), "machine": platform.processor() or
+              platform.machine(), "args": vars(args), "summary": summary, "compile_ms": costs, "runs": runs,
+              "schemas_sha256": hashlib.sha256(json.dumps(SCHEMAS, sort_keys=True).encode()).hexdigest()[:16]}
+    out.with_suffix(".json").write_text(json.dumps(record, indent=1))
+    _plot(summary, costs, out.with_suffix(".png"))
+    print(f"\nwrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    return 0
+
+
+def _plot(summary: dict, costs: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    labels = ["crowd tokens/s", "lone player ms/token"]
+    plain = [summary["crowd_tokens_per_s"]["plain"] or 0, summary["lone_gap_ms"]["plain"] or 0]
+    json_ = [summary["crowd_tokens_per_s"]["json"] or 0, summary["lone_gap_ms"]["json"] or 0]
+    for i, (a, b) in enumerate(zip(plain, json_)):
+        left.bar([i - 0.2], [1.0], 0.4, color="#888", label="unconstrained" if i == 0 else None)
+        left.bar([i + 0.2], [b / a if a else 0], 0.4, color="#2a7", label="8 JSON schemas" if i == 0 else None)
+    left.axhline(0.85, color="#c33", ls=":", lw=1)
+    left.axhline(1.15, color="#c33", ls=":", lw=1)
+    left.set_xticks(range(2), labels)
+    left.set_ylabel("relative to unconstrained")
+    left.set_title("Constrained against unconstrained (bars at 0.85 and 1.15)")
+    left.legend()
+    names = [c["schema"] for c in costs]
+    right.barh(names, [c["worker_first_ms"] for c in costs], color="#2a7", label="worker, first use")
+    right.barh(names, [c["api_check_ms"] for c in costs], color="#58c", alpha=0.7, label="API check")
+    right.axvline(50, color="#c33", ls=":", lw=1)
+    right.set_xlabel("ms")
+    right.set_title("A schema's compile (bar at 50 ms)")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
