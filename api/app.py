@@ -193,7 +193,11 @@ class _WaitingNodePool(redis.BlockingConnectionPool):
 
 class _JsonProvider(DefaultJSONProvider):
     """Flask's JSON, except that a body nested deeper than Python's stack ([[[[...]]]]) is invalid
-    JSON, which every route answers with a 400, not a RecursionError's 500."""
+    JSON, which every route answers with a 400, not a RecursionError's 500; and keys keep their
+    order (Flask sorts them by default): completions' top_logprobs list the likeliest token first,
+    as OpenAI's do."""
+
+    sort_keys = False
 
     def loads(self, s, **kwargs):
         try:

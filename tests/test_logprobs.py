@@ -420,9 +420,10 @@ def test_completions_logprobs_whole_and_streamed(client, echo):  # noqa: F811 (a
     for i in scored:
         top = lp.top_logprobs[i]
         assert len(top) <= 3 and lp.token_logprobs[i] <= 0 and all(v <= 0 for v in top.values())
-        # The likeliest 3 (a JSON object: in the API's key order). Greedy: the chosen is likeliest
-        # unless the likeliest is a special token, kept out by the bias.
+        # The likeliest 3, likeliest first (a JSON object in the API's key order, not sorted by
+        # name). Greedy: the chosen is likeliest unless that is a special token, kept out by the bias.
         assert max(top.values()) >= lp.token_logprobs[i] - 1e-6 and len(top) == 3
+        assert list(top.values()) == sorted(top.values(), reverse=True)
         if lp.tokens[i] in top:
             assert top[lp.tokens[i]] == pytest.approx(lp.token_logprobs[i])
     assert lp.text_offset == sorted(lp.text_offset)
