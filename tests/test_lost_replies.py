@@ -148,8 +148,8 @@ class StandIn:
     def free_slots(self) -> int:
         return self.capacity - len(self.held)
 
-    def add(self, job: Job, written=None) -> Sequence:
-        seq = Sequence(job, self.tokenizer, frozenset({self.tokenizer.eos_token_id}), written)
+    def add(self, job: Job, written=None, constraint=None) -> Sequence:
+        seq = Sequence(job, self.tokenizer, frozenset({self.tokenizer.eos_token_id}), written, constraint)
         self.held.append(seq)
         self.added[job.id] += 1
         return seq

@@ -45,7 +45,7 @@ def adjust(logits: torch.Tensor, seqs: list, bitmask: Optional[torch.Tensor] = N
         _penalise(out[i], seqs[i])
     if bitmask is not None:
         from worker.constraint import apply_mask  # llguidance: only workers that serve grammars
-        apply_mask(out, bitmask)
+        apply_mask(out, bitmask.to(out.device))
     for i in rows:
         params = seqs[i].params
         if params.min_p and not params.greedy:
@@ -58,15 +58,15 @@ def _penalise(row: torch.Tensor, seq) -> None:
     params: SamplingParams = seq.params
     output = seq.output_ids
     if params.min_tokens and len(output) < params.min_tokens and seq.stop_ids:
-        row[torch.tensor(sorted(seq.stop_ids))] = NEG_INF
+        row[torch.tensor(sorted(seq.stop_ids), device=row.device)] = NEG_INF
     if params.logit_bias:
-        ids = torch.tensor([int(t) for t in params.logit_bias])
+        ids = torch.tensor([int(t) for t in params.logit_bias], device=row.device)
         keep = ids < row.numel()
-        row[ids[keep]] += torch.tensor(list(params.logit_bias.values()), dtype=row.dtype)[keep]
+        row[ids[keep]] += torch.tensor(list(params.logit_bias.values()), dtype=row.dtype, device=row.device)[keep]
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(seq.prompt_ids) | set(output)))
+        seen = torch.tensor(sorted(set(seq.prompt_ids) | set(output)), device=row.device)
         values = row[seen]
         row[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
     if output and (params.frequency_penalty or params.presence_penalty):
-        ids, counts = torch.tensor(output).unique(return_counts=True)
+        ids, counts = torch.tensor(output, device=row.device).unique(return_counts=True)
         row[ids] -= params.frequency_penalty * counts.to(row.dtype) + params.presence_penalty
