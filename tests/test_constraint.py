@@ -8,6 +8,7 @@ import json
 import jsonschema
 import llguidance
 import pytest
+import torch
 
 from shared.protocol import Job, SamplingParams
 from shared.settings import Settings
@@ -110,3 +111,33 @@ def test_a_grammar_missing_from_redis_is_a_clear_error(loaded):
     grammars = Grammars(loaded.tokenizer, loaded.vocab_size, lambda d: None)
     with pytest.raises(ValueError, match="not in Redis"):
         grammars.constraint("ab" * 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_plus_plus_mask_is_llguidances_own(kernel, dtype):
+    """kernel.mask_rows against llguidance.torch's: random bitmasks, a width that is not a multiple
+    of 32, and words short of the width (tokens past them are never allowed)."""
+    import llguidance.torch
+
+    g = torch.Generator().manual_seed(0)
+    for width, words in ((49152, 1536), (1000, 32), (1000, 30)):
+        logits = torch.randn(5, width, generator=g).to(dtype)
+        bitmask = torch.randint(-2**31, 2**31 - 1, (5, words), dtype=torch.int32, generator=g)
+        bitmask[1] = 0  # nothing allowed
+        bitmask[2] = -1  # everything the words cover
+        ours, theirs = logits.clone(), logits.float()
+        kernel.mask_rows(ours, bitmask)
+        llguidance.torch.apply_token_bitmask_inplace(theirs, bitmask)
+        assert torch.equal(ours.float(), theirs), (width, words)
+
+
+def test_a_masked_row_samples_in_the_c_plus_plus_sampler_as_before(kernel):
+    """The sampler skips exp() for -inf (a masked token): the same picks as torch's inverse CDF."""
+    from worker.sampling import new_generator, sample
+
+    logits = torch.randn(16, 4096, generator=torch.Generator().manual_seed(1))
+    logits[:, 50:] = float("-inf")
+    params = [SamplingParams(temperature=0.9)] * 16
+    ours = sample(logits, params, [new_generator(i) for i in range(16)], kernel)
+    torchs = sample(logits, params, [new_generator(i) for i in range(16)])
+    assert ours == torchs and max(ours) < 50

@@ -33,19 +33,26 @@ def changes_logits(params: SamplingParams) -> bool:
                 or params.logit_bias or params.min_tokens or (params.min_p and not params.greedy))
 
 
-def adjust(logits: torch.Tensor, seqs: list, bitmask: Optional[torch.Tensor] = None) -> torch.Tensor:
+def adjust(logits: torch.Tensor, seqs: list, bitmask: Optional[torch.Tensor] = None, kernel=None) -> torch.Tensor:
     """logits: [rows, width], a row per sequence in `seqs` (worker.sequence.Sequence). Returns the
-    logits to pick from: `logits` itself where no row changes, else a float32 copy with each row's
-    changes. `bitmask`: the grammar masks of the rows (worker/constraint.py), or None."""
+    logits to pick from: `logits` itself where no row changes; a float32 copy with each row's
+    changes where a penalty or bias computes; with masks alone, `logits` masked in place (-inf is
+    exact in any dtype) unless a row asks for logprobs, which need the model's own (then a copy). `bitmask`: the grammar masks of the rows (worker/constraint.py), or None;
+    `kernel`: the C++ kernels, whose mask_rows applies it."""
     rows = [i for i, seq in enumerate(seqs) if seq.adjusts]
     if not rows and bitmask is None:
         return logits
-    out = logits.float() if logits.dtype != torch.float32 else logits.clone()
+    if rows:
+        out = logits.float() if logits.dtype != torch.float32 else logits.clone()
+    elif any(seq.logprobs is not None for seq in seqs):
+        out = logits.clone()  # the model's own logits stay for the logprobs (worker/logprobs.py)
+    else:
+        out = logits  # a mask alone, and nobody needs the raw logits: in place, not copied
     for i in rows:
         _penalise(out[i], seqs[i])
     if bitmask is not None:
         from worker.constraint import apply_mask  # llguidance: only workers that serve grammars
-        apply_mask(out, bitmask.to(out.device))
+        apply_mask(out, bitmask.to(out.device), kernel)
     for i in rows:
         params = seqs[i].params
         if params.min_p and not params.greedy:

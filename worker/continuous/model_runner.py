@@ -43,7 +43,7 @@ class ModelRunner:
             return []
         logits = self.model.logits(hidden[last_rows])
         seqs = [r.seq for r in sampled]
-        chosen_from = adjust(logits, seqs, masks.result() if masks is not None else None)
+        chosen_from = adjust(logits, seqs, masks.result() if masks is not None else None, self.kernel)
         tokens = sample(chosen_from, [s.params for s in seqs], [s.generator for s in seqs], self.kernel)
         entries = [None] * len(seqs)
         asking = [i for i, s in enumerate(seqs) if s.logprobs is not None]

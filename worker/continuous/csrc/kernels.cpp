@@ -248,6 +248,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_rows", &rms_norm_rows, "the decoder's RMS norm, row by row (tests)");
   m.def("sample_rows", &sample_rows, "a token per row from softmax(logits / temperature), by inverse CDF",
         py::call_guard<py::gil_scoped_release>());
+  m.def("mask_rows", &mask_rows, "-inf in place on each token a row's grammar bitmask does not allow",
+        py::call_guard<py::gil_scoped_release>());
   py::class_<LlamaDecoder>(m, "LlamaDecoder")
       .def(py::init<int64_t, int64_t, int64_t, double>())
       .def("add_layer", &LlamaDecoder::add_layer)
