@@ -5,10 +5,10 @@ crowd unconstrained, through the whole stack, in one run; and what a schema's fi
     python -m bench.structured --players 8 --repeats 1 --requests 1      # a quick check
 
 Each constrained request takes one of SCHEMAS (eight shapes a game asks an NPC for: enums,
-integer ranges, bounded strings) through `response_format`; the unconstrained crowd asks the same
-prompts with none. Both sample (temperature 0.8) with the same max_tokens. A constrained reply ends
-where its JSON ends, an unconstrained one runs to max_tokens (ignore_eos), so tokens/s compares
-rates of writing, not answers. The lone player's time per token is the median gap between its
+integer ranges, bounded strings) through `response_format`; the unconstrained crowd is its twin:
+the same prompts and seeds with no schema, each asked for exactly as many tokens as its
+constrained reply had (learnt before the runs: the engine writes a request's text whatever shares
+its step), so both crowds do the same work but for the constraint. Both sample at 0.8. The lone player's time per token is the median gap between its
 streamed chunks. The compile cost is measured in this process on the packaged SmolLM2's
 tokenizer: what the API does to check a schema (api/grammars.py) and what a worker does at the
 schema's first use (worker/constraint.py: the matcher and its first mask), and the same again
@@ -121,12 +121,52 @@ def compile_costs() -> list[dict]:
     return rows
 
 
-def crowd(url: str, model: str, players: int, requests: int, tokens: int, constrained: bool,
-          stream: bool, seed: int) -> dict:
+def _extra(constrained: bool, lengths: dict):
+    """A request's fields beyond the prompt: its schema and seed (drawn from the player's rng in
+    the same order either way, so both crowds ask the same), and for the unconstrained twin the
+    length its constrained reply had."""
     names = list(SCHEMAS)
-    extra = (lambda rng: {"response_format": response_format(rng.choice(names))}) if constrained else None
+
+    def draw(rng: random.Random) -> dict:
+        name, seed = rng.choice(names), rng.getrandbits(31)
+        if constrained:
+            return {"response_format": response_format(name), "seed": seed}
+        return {"seed": seed, "max_tokens": max(1, lengths[seed])}
+    return draw
+
+
+def requests_of(players: int, requests: int, tokens: int, seed: int) -> list[tuple[str, dict]]:
+    """The (prompt, constrained fields) a crowd will send, drawn as bench.load.run_crowd draws them."""
+    shape, extra, out = NpcAsk(tokens), _extra(True, {}), []
+    for player in range(players):
+        rng = random.Random(seed + player)
+        for _ in range(requests):
+            prompt, _ = shape.draw(rng)
+            out.append((prompt, extra(rng)))
+    return out
+
+
+def learn_lengths(url: str, model: str, players: int, requests: int, tokens: int, seed: int,
+                  lengths: dict) -> None:
+    """Each constrained request's reply length, by its seed: asked once, 16 at a time. The engine
+    writes a request's text whatever shares its step (batch invariance), so the crowd's replies
+    will have these lengths too, and the unconstrained twin is asked for exactly as many tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from bench.client import complete
+
+    todo = requests_of(players, requests, tokens, seed)
+    with ThreadPoolExecutor(16) as pool:
+        outcomes = pool.map(lambda item: complete(url, model, item[0], tokens, 0.8, False, 600, item[1]), todo)
+        for (_, fields), outcome in zip(todo, outcomes):
+            lengths[fields["seed"]] = outcome.completion_tokens
+
+
+def crowd(url: str, model: str, players: int, requests: int, tokens: int, constrained: bool,
+          stream: bool, seed: int, lengths: dict) -> dict:
     return run_crowd(url, model, players, requests, tokens, temperature=0.8, ignore_eos=not constrained,
-                     seed=seed, shape=NpcAsk(tokens), stream=stream, extra=extra, progress=False)
+                     seed=seed, shape=NpcAsk(tokens), stream=stream, extra=_extra(constrained, lengths),
+                     progress=False)
 
 
 def main(argv=None) -> int:
@@ -142,15 +182,22 @@ def main(argv=None) -> int:
     runs: dict[str, list[dict]] = {k: [] for k in ("crowd plain", "crowd json", "lone plain", "lone json")}
     with stack({}, label="structured") as running:
         model = running.model
+        from bench.client import complete
         for name in SCHEMAS:  # every schema once, so the crowds measure cached grammars
-            crowd(running.url, model, 1, 1, 8, True, False, seed=0)
+            complete(running.url, model, "Say hello as JSON.\n", 8, 0.8, False, 600,
+                     {"response_format": response_format(name)})
+        lengths: dict[int, int] = {}
+        for repeat in range(args.repeats):
+            learn_lengths(running.url, model, 1, 4, args.tokens, 7 + repeat, lengths)
+            learn_lengths(running.url, model, args.players, args.requests, args.tokens, 100 * repeat, lengths)
         for repeat in range(args.repeats):
             order = (False, True) if repeat % 2 == 0 else (True, False)  # neither always goes first
             for constrained in order:
                 kind = "json" if constrained else "plain"
-                runs[f"lone {kind}"].append(crowd(running.url, model, 1, 4, args.tokens, constrained, True, 7 + repeat))
+                runs[f"lone {kind}"].append(crowd(running.url, model, 1, 4, args.tokens, constrained, True,
+                                                  7 + repeat, lengths))
                 runs[f"crowd {kind}"].append(crowd(running.url, model, args.players, args.requests, args.tokens,
-                                                   constrained, False, 100 * repeat))
+                                                   constrained, False, 100 * repeat, lengths))
                 print(f"repeat {repeat + 1}: {kind} done", file=sys.stderr)
 
     def med(key, field):
@@ -163,6 +210,7 @@ def main(argv=None) -> int:
         "lone_s_per_token": {"plain": med("lone plain", "median_s_per_token"),
                              "json": med("lone json", "median_s_per_token")},
         "errors": {k: sum(r["errors"] for r in v) for k, v in runs.items()},
+        "crowd_tokens": {"plain": med("crowd plain", "tokens"), "json": med("crowd json", "tokens")},
     }
     summary["crowd_ratio"] = ratio(summary["crowd_tokens_per_s"]["json"], summary["crowd_tokens_per_s"]["plain"])
     summary["lone_gap_ratio"] = ratio(summary["lone_gap_ms"]["json"], summary["lone_gap_ms"]["plain"])
@@ -174,6 +222,8 @@ def main(argv=None) -> int:
           f"| {summary['crowd_ratio']} | >= 0.85 |")
     print(f"| lone player, ms between tokens | {summary['lone_gap_ms']['plain']} | {summary['lone_gap_ms']['json']} "
           f"| {summary['lone_gap_ratio']} | <= 1.15 |")
+    print(f"| crowd tokens written (the twins: equal) | {summary['crowd_tokens']['plain']} | "
+          f"{summary['crowd_tokens']['json']} | | |")
     print(f"| errors | {summary['errors']['crowd plain'] + summary['errors']['lone plain']} | "
           f"{summary['errors']['crowd json'] + summary['errors']['lone json']} | | |")
     print("\n| schema | API check ms | worker first use ms | worker cached ms |\n|---|---:|---:|---:|")

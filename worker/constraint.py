@@ -31,6 +31,10 @@ import torch
 log = logging.getLogger(__name__)
 
 CACHED_GRAMMARS = 256  # pristine matchers kept per worker (a game uses a handful of schemas)
+# Up to this many constrained rows, their masks are computed before the forward pass rather than
+# beside it: ~50 µs a row costs less than the thread's hand-off and the core it takes from the
+# forward pass's threads on a 2-core machine (one row: +0.2 ms a step inline, +0.3 ms beside).
+INLINE_ROWS = 4
 
 
 class Constraint:
@@ -119,6 +123,10 @@ class MaskFiller:
         width = next(c.width for c in constraints if c is not None)
         bitmask = torch.full(llguidance.torch.get_bitmask_shape(len(constraints), width), -1,
                              dtype=torch.int32)
+        if len(rows) <= INLINE_ROWS:
+            done = Future()
+            done.set_result(_fill(rows, bitmask))
+            return done
         return self._thread.submit(_fill, rows, bitmask)
 
 
