@@ -110,7 +110,9 @@ def load(source: str, name: str = "", dtype: str = "auto", device: str = "auto",
     if model is not None:
         model.to(dev).eval()
     steps.update()
-    steps.set_postfix_str("ready")
+    # "loaded", not "ready": the engine (and perhaps a kernel build) comes next; the worker's
+    # "serving ... ready" line at the end of worker/__main__.py is the one that means ready.
+    steps.set_postfix_str("loaded")
     steps.close()
 
     eos = _eos_ids(config, tokenizer)
