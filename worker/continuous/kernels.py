@@ -1,15 +1,29 @@
-"""The engine's C++ kernels (csrc/): decode attention over the paged cache and a whole Llama
-decode step, built once by torch and cached on disk.
+"""The engine's C++ kernels (csrc/): decode attention over the paged cache (attention.h), the
+products (panels.h and dense_panels.h at every step, int8.h and quantized.h for the GGUF's blocks),
+what keeps a row's bits its own (rowwise.h), the sampler (sampling.h) and a whole Llama decode step
+(kernels.cpp, which includes them all), built once by torch and cached on disk.
 
-Built with the compiler torch's extensions use (g++ and ninja); the first start of a worker on a
-machine pays ~25 s for it, later starts load the cached library. Where it cannot be built, the
-engine runs attention in torch instead and says so once.
+Built with the compiler torch's extensions use (g++ and ninja): ~35-60 s on 2 cores, once per
+build key, logged before it starts; later starts load the cached library in well under a second.
+The key (`build_id`) is a hash of everything the library's bits depend on: the sources and headers,
+the build flags, the compiler (its path and `--version`), torch's version and C++ ABI, Python's
+version and what `-march=native` means on this CPU. The same hash is part of a worker's numerics
+fingerprint. Each key builds in a directory of its own under the cache (`<build_id>-<where>`, the
+second part a hash of the paths torch writes into the build file: this checkout's sources, torch's
+and Python's headers, so two checkouts never rewrite each other's build and rebuild), and only
+the few most recently used builds are kept. Where it cannot be built, the engine runs attention in
+torch instead and says so once.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
+import shutil
+import subprocess
+import sys
+import sysconfig
 import time
 from functools import lru_cache
 from typing import Optional
@@ -17,10 +31,18 @@ from typing import Optional
 log = logging.getLogger(__name__)
 
 SOURCES = os.path.join(os.path.dirname(__file__), "csrc")
+NAME = "storyteller_kernels"  # the module's name; each key's directory has its own copy
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
-# A build takes ~25 s here (minutes on a busy machine). torch's build lock is a bare file that a
+# A build takes ~35-60 s here (minutes on a busy machine). torch's build lock is a bare file that a
 # killed build leaves behind, and torch waits on it forever: older than this, it is a dead one's.
 STALE_LOCK_S = 180
+KEEP = 3  # builds kept in the cache, the most recently used ones (the one in use among them)
+# A build used (or begun) this recently is left alone whatever its rank: another process may be
+# loading or building it (torch's lock exists only while ninja runs).
+PRUNE_AFTER_S = 3600
+USED = "last-used"  # a file in each build's directory, touched at each load: its last use
+# What torch's build wrote before builds had a directory per key (one fixed place, shared by all).
+LEGACY_FILES = ("build.ninja", ".ninja_log", ".ninja_deps", "kernels.o", NAME + ".so", "lock")
 
 
 def _clear_stale_lock(build_dir: str) -> None:
@@ -38,8 +60,9 @@ def _clear_stale_lock(build_dir: str) -> None:
 
 
 @lru_cache(maxsize=None)
-def build(build_dir: str = "") -> Optional[object]:
-    """The compiled module (`.paged_decode`, `.LlamaDecoder`), or None where it cannot be built."""
+def build(cache_dir: str = "") -> Optional[object]:
+    """The compiled module (`.paged_decode`, `.LlamaDecoder`, ...), or None where it cannot be
+    built. `cache_dir` holds one directory per build key; "" builds in torch's own default place."""
     if os.environ.get("STORYTELLER_NO_KERNELS"):
         return None
     try:
@@ -49,30 +72,116 @@ def build(build_dir: str = "") -> Optional[object]:
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         except ImportError:
             pass
-        if build_dir:
-            build_dir = os.path.expanduser(build_dir)
+        build_dir = ""
+        if cache_dir:
+            cache_dir = os.path.expanduser(cache_dir)
+            build_dir = os.path.join(cache_dir, cache_key())
             os.makedirs(build_dir, exist_ok=True)
+            _touch(build_dir)  # before the build: a pruner elsewhere leaves a fresh one alone
             _clear_stale_lock(build_dir)
-        return load(name="storyteller_kernels", sources=[os.path.join(SOURCES, "kernels.cpp")],
-                    extra_include_paths=[SOURCES], build_directory=build_dir or None,
-                    extra_cflags=CFLAGS,
-                    extra_ldflags=["-fopenmp"], verbose=False)
+            with open(os.path.join(build_dir, "inputs.json"), "w") as f:  # what the key stands for
+                json.dump(build_inputs(), f, indent=1)
+        built = build_dir and os.path.exists(os.path.join(build_dir, NAME + ".so"))
+        if not built:
+            log.info("building the C++ kernels (once per build key, ~35-60 s on 2 cores) in %s...",
+                     build_dir or "torch's extension directory")
+        start = time.monotonic()
+        module = load(name=NAME, sources=[os.path.join(SOURCES, "kernels.cpp")],
+                      extra_include_paths=[SOURCES], build_directory=build_dir or None,
+                      extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+        took = time.monotonic() - start
+        if not built or took > 2:  # a build, or a rebuild ninja chose (torch's headers changed)
+            log.info("built the C++ kernels in %.0f s", took)
     except Exception as exc:  # no compiler, no ninja, a read-only cache: torch's path still works
-        log.warning("decode-attention kernel unavailable (%s): attention runs in torch", exc)
+        log.warning("C++ kernels unavailable (%s): attention, the int8 and quantized products, the "
+                    "decode step and the sampler run in torch instead (slower)", exc)
         return None
+    if cache_dir:
+        try:
+            _touch(build_dir)
+            prune(cache_dir, keep=KEEP, in_use=os.path.basename(build_dir))
+        except OSError as exc:  # the build loaded: an untidy cache is no reason to go without it
+            log.warning("could not prune the kernel cache %s (%s)", cache_dir, exc)
+    return module
 
 
 @lru_cache(maxsize=None)
 def build_id() -> str:
-    """What the kernels' bits depend on, short: their sources, the flags, torch's version and this
-    CPU's instruction sets (which -march=native compiles for). Part of a worker's numerics
-    fingerprint: two workers with the same one compute the same bits for the same row."""
-    digest = hashlib.sha256()
+    """What the kernels' bits depend on, short (a hash of `build_inputs`). Part of a worker's
+    numerics fingerprint (two workers with the same one compute the same bits for the same row)
+    and the first part of the build's directory name."""
+    return digest(build_inputs())
+
+
+def cache_key() -> str:
+    """The build's directory under the cache: `build_id` and where this checkout's build reads from
+    (torch writes these paths into build.ninja, and ninja rebuilds when its commands change)."""
+    return f"{build_id()}-{digest(locations())[:6]}"
+
+
+def digest(inputs: dict) -> str:
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def build_inputs() -> dict:
+    """Everything the compiled library depends on, by name."""
+    import torch
+    return {"sources": sources_digest(), "cflags": " ".join(CFLAGS), "compiler": compiler(),
+            "torch": torch_version(), "cxx11_abi": str(bool(torch._C._GLIBCXX_USE_CXX11_ABI)),
+            "python": sys.version, "native": native_target()}
+
+
+def locations() -> dict:
+    import torch
+    return {"sources": os.path.abspath(SOURCES), "torch": os.path.dirname(os.path.abspath(torch.__file__)),
+            "python": sysconfig.get_paths()["include"]}
+
+
+def sources_digest() -> str:
+    """The kernels' sources and headers (every file in csrc/, by name and bytes)."""
+    sha = hashlib.sha256()
     for name in sorted(os.listdir(SOURCES)):
         with open(os.path.join(SOURCES, name), "rb") as f:
-            digest.update(name.encode() + f.read())
-    digest.update(" ".join(CFLAGS).encode() + torch_version().encode() + cpu_flags().encode())
-    return digest.hexdigest()[:12]
+            sha.update(name.encode() + b"\0" + f.read() + b"\0")
+    return sha.hexdigest()
+
+
+def compiler_command() -> str:
+    """The C++ compiler torch's extensions build with (`$CXX`, else `c++`)."""
+    from torch.utils.cpp_extension import get_cxx_compiler
+    return get_cxx_compiler()
+
+
+def compiler() -> str:
+    """The compiler's resolved path and its `--version` ("none" where there is none)."""
+    path = shutil.which(compiler_command())
+    if path is None:
+        return "none"
+    return os.path.realpath(path) + "\n" + _run([path, "--version"])
+
+
+def native_target() -> str:
+    """What `-march=native` compiles for here: the compiler's own expansion of it (the line of its
+    `-v` output that runs the compiler proper: `-march=<cpu>`, every `-m` instruction set on or off,
+    the cache sizes it tunes for). It is exactly what the build's code depends on, which the
+    kernel's /proc/cpuinfo flags are not (they list features the compiler never uses, and change
+    with the kernel's version); those are the fallback where the compiler says nothing usable."""
+    path = shutil.which(compiler_command())
+    if path is not None:
+        # From "/", with no input file of ours: nothing in the line depends on where we run.
+        out = _run([path, "-march=native", "-E", "-v", "-x", "c++", os.devnull, "-o", os.devnull], cwd="/")
+        for line in out.splitlines():
+            if "-march=" in line and "COLLECT_GCC_OPTIONS" not in line or "-target-cpu" in line:
+                return line.strip()
+    return cpu_flags()
+
+
+def _run(command: list, cwd: Optional[str] = None) -> str:
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=cwd)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"failed: {exc}"
+    return done.stdout + done.stderr
 
 
 def torch_version() -> str:
@@ -87,3 +196,48 @@ def cpu_flags() -> str:
             return next((line.split(":", 1)[1].strip() for line in f if line.startswith("flags")), "")
     except OSError:
         return ""
+
+
+def _touch(build_dir: str) -> None:
+    with open(os.path.join(build_dir, USED), "a"):
+        pass
+    os.utime(os.path.join(build_dir, USED))
+    os.utime(build_dir)
+
+
+def _last_use(path: str) -> float:
+    """When a build was last used or begun: its stamp, its directory or torch's lock, the newest."""
+    times = []
+    for name in (USED, "", "lock"):
+        try:
+            times.append(os.path.getmtime(os.path.join(path, name)))
+        except OSError:
+            pass
+    return max(times, default=0.0)
+
+
+def prune(cache_dir: str, keep: int = KEEP, in_use: str = "", older_than_s: float = PRUNE_AFTER_S) -> list:
+    """Remove all but the `keep` most recently used builds under `cache_dir` (the names removed).
+    Never the one in use, one being built (torch's lock in it), or one used in the last
+    `older_than_s`: another process may be on its way into it. Only directories with a build's
+    stamp are builds; the files of the single shared build of old are removed the same way."""
+    now = time.time()
+    builds = [name for name in os.listdir(cache_dir) if os.path.isfile(os.path.join(cache_dir, name, USED))]
+    builds.sort(key=lambda name: _last_use(os.path.join(cache_dir, name)), reverse=True)
+    removed = []
+    for name in builds[keep:]:
+        path = os.path.join(cache_dir, name)
+        if name == in_use or os.path.exists(os.path.join(path, "lock")) or now - _last_use(path) < older_than_s:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(name)
+    legacy = os.path.join(cache_dir, NAME + ".so")
+    if os.path.exists(legacy) and not os.path.exists(os.path.join(cache_dir, "lock")) \
+            and now - os.path.getmtime(legacy) >= older_than_s:
+        for name in LEGACY_FILES:
+            try:
+                os.remove(os.path.join(cache_dir, name))
+            except OSError:
+                pass
+        removed.append(NAME + ".so")
+    return removed
