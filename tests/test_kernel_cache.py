@@ -175,6 +175,7 @@ def test_a_real_build_loads_works_is_reused_and_prunes_old_builds(tmp_path):
         _build(tmp_path, name, used_ago_s=(age + 2) * kernels.PRUNE_AFTER_S)
     first, log = _start(tmp_path)
     assert "building the C++ kernels (once per build key, ~35-60 s on 2 cores)" in log
+    assert "built the C++ kernels in" in log
     build = tmp_path / first["key"]
     assert first["works"] and pathlib.Path(first["file"]).parent == build
     assert json.loads((build / "inputs.json").read_text()) == kernels.build_inputs()
@@ -184,7 +185,7 @@ def test_a_real_build_loads_works_is_reused_and_prunes_old_builds(tmp_path):
 
     second, log = _start(tmp_path)
     assert second["works"] and second["file"] == first["file"]
-    assert "building" not in log
+    assert "building" not in log and "built" not in log
     assert (build / ".ninja_log").read_text() == ninja_log  # ninja ran nothing
     assert (build / (kernels.NAME + ".so")).stat().st_mtime_ns == library
     assert second["s"] < 10, second  # loaded, not built (a build is ~35-60 s)

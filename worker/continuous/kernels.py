@@ -81,17 +81,17 @@ def build(cache_dir: str = "") -> Optional[object]:
             _clear_stale_lock(build_dir)
             with open(os.path.join(build_dir, "inputs.json"), "w") as f:  # what the key stands for
                 json.dump(build_inputs(), f, indent=1)
-        built = build_dir and os.path.exists(os.path.join(build_dir, NAME + ".so"))
-        if not built:
+        library = os.path.join(build_dir, NAME + ".so")
+        built = _mtime(library) if build_dir else None
+        if built is None:
             log.info("building the C++ kernels (once per build key, ~35-60 s on 2 cores) in %s...",
                      build_dir or "torch's extension directory")
         start = time.monotonic()
         module = load(name=NAME, sources=[os.path.join(SOURCES, "kernels.cpp")],
                       extra_include_paths=[SOURCES], build_directory=build_dir or None,
                       extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
-        took = time.monotonic() - start
-        if not built or took > 2:  # a build, or a rebuild ninja chose (torch's headers changed)
-            log.info("built the C++ kernels in %.0f s", took)
+        if built is None or _mtime(library) != built:  # or a rebuild ninja chose (torch's headers changed)
+            log.info("built the C++ kernels in %.0f s", time.monotonic() - start)
     except Exception as exc:  # no compiler, no ninja, a read-only cache: torch's path still works
         log.warning("C++ kernels unavailable (%s): attention, the int8 and quantized products, the "
                     "decode step and the sampler run in torch instead (slower)", exc)
@@ -196,6 +196,13 @@ def cpu_flags() -> str:
             return next((line.split(":", 1)[1].strip() for line in f if line.startswith("flags")), "")
     except OSError:
         return ""
+
+
+def _mtime(path: str) -> Optional[float]:
+    try:
+        return os.path.getmtime(path)
+    except OSError:
+        return None
 
 
 def _touch(build_dir: str) -> None:
