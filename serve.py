@@ -4,10 +4,22 @@ Redis: the one at REDIS_URL if it answers; otherwise a redis-server started here
 installed; otherwise an embedded stand-in (fakeredis' TCP server) inside this process. A redis-server
 started here gets REDIS_URL's password; for a rediss:// (TLS), redis+sentinel:// or redis+cluster:// URL
 nothing is started.
+
+Stopping: SIGINT (Ctrl-C), SIGTERM or SIGHUP (the terminal closing) drain: the model workers first,
+all together (each announces it is draining, so the API answers new requests 503, and finishes what
+it holds) while the API keeps serving the running streams; then the batch worker (SIGTERM: RQ's warm
+shutdown; a batch still running then is killed after the stop timeout, and RQ runs it again on the
+next start, sending only the requests that had no answer yet); then the API (gunicorn's graceful
+stop), then a redis-server started here. A second signal kills what is left at once. Every child runs
+in a process group of its own, so that the terminal's Ctrl-C, sent to the whole foreground group,
+reaches serve.py alone (gunicorn stops at once on SIGINT, cutting the streams); each is started with
+a parent-death signal (SIGKILL), so that none outlives serve.py if serve.py itself is killed.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import importlib.util
 import json
 import os
@@ -31,6 +43,32 @@ from shared.settings import Settings
 
 READY_TIMEOUT_S = 300
 STOP_TIMEOUT_S = 60  # a worker finishing the requests it holds, gunicorn its open responses
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform == "linux" else None
+
+
+def _die_with_parent(parent: int) -> None:
+    """In a child between fork and exec: SIGKILL when serve.py dies (Linux), even by SIGKILL.
+
+    Linux sends it when the thread that forked the child exits: every child is started from the main
+    thread, which lives as long as serve.py does."""
+    if _libc is not None:
+        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # serve.py died before the prctl: nobody would send the signal
+        os._exit(1)
+
+
+def dies_with_parent():
+    """subprocess.Popen's preexec_fn for a child that must not outlive serve.py."""
+    parent = os.getpid()
+    return lambda: _die_with_parent(parent)
+
+
+def child_options() -> dict:
+    """subprocess.Popen's arguments for a child of serve.py: a process group of its own (out of reach
+    of the terminal's Ctrl-C: serve.py stops it in its turn) that dies with serve.py."""
+    return {"process_group": 0, "preexec_fn": dies_with_parent()}
 
 
 def ensure_redis(url: str) -> tuple[str, list[subprocess.Popen]]:
@@ -63,7 +101,7 @@ def ensure_redis(url: str) -> tuple[str, list[subprocess.Popen]]:
         # The password goes in on stdin ("-": config from stdin), never in the command line `ps` shows.
         process = subprocess.Popen([binary, "-", "--bind", host, "--port", str(port), "--save", "",
                                     "--appendonly", "no"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                   start_new_session=True)
+                                   start_new_session=True, preexec_fn=dies_with_parent())
         process.stdin.write(f"requirepass {_config_string(password)}\n".encode() if password else b"")
         process.stdin.close()
         try:
@@ -184,20 +222,25 @@ def wait_until_served(base_url: str, processes: list[subprocess.Popen]) -> list[
 
 
 class Stopped(BaseException):
-    """SIGINT or SIGTERM: stop everything and exit 0. A BaseException, like KeyboardInterrupt,
+    """SIGINT, SIGTERM or SIGHUP: stop everything and exit 0. A BaseException, like KeyboardInterrupt,
     so that no `except Exception` on the way swallows it."""
 
 
 class Service:
     """The processes started so far, which stop() ends whatever happened: the workers first, all
-    together (each finishes what it holds), then the API, then a redis-server started here."""
+    together (each finishes what it holds, the API still serving their streams), then the others in
+    the reverse order of their start (the batch worker, the API, a redis-server started here). Each
+    stage has STOP_TIMEOUT_S; a second signal (hurry()) kills what is left at once."""
 
     def __init__(self):
         self.processes: list[subprocess.Popen] = []
         self._hurry = threading.Event()  # a second Ctrl-C: kill what is left, don't wait
 
+    def hurry(self, *_) -> None:
+        self._hurry.set()
+
     def start(self, command: list[str], env: dict) -> subprocess.Popen:
-        process = subprocess.Popen(command, env=env)
+        process = subprocess.Popen(command, env=env, **child_options())
         self.processes.append(process)
         return process
 
@@ -210,8 +253,8 @@ class Service:
             time.sleep(1)
 
     def stop(self) -> None:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: self._hurry.set())
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self.hurry)
         workers = [p for p in self.processes if process_name(p) == "worker"]
         stages = [workers] + [[p] for p in reversed(self.processes) if p not in workers]
         for stage in stages:
@@ -283,13 +326,16 @@ def main() -> None:
             print(f"serve.py: {problem}", file=sys.stderr, flush=True)
         sys.exit(2)
 
+    service, status, reason = Service(), 0, None
+
     def interrupted(*_):
+        for sig in STOP_SIGNALS:  # at once: a second Ctrl-C while unwinding must hurry the stop
+            signal.signal(sig, service.hurry)
         raise Stopped()
 
     # Before anything starts: a Ctrl-C at any moment unwinds through the finally below.
-    signal.signal(signal.SIGTERM, interrupted)
-    signal.signal(signal.SIGINT, interrupted)
-    service, status, reason = Service(), 0, None
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, interrupted)
     host = env.get("HOST", settings.host)
     base_url = f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{env.get('PORT', settings.port)}/v1"
     try:
