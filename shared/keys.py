@@ -41,10 +41,14 @@ WORKERS = f"{PREFIX}:workers"
 
 # Sorted set, model -> the unix time of its last worker heartbeat: the models /metrics reports on,
 # also while none of their workers is alive (so "no live worker" is a 0, not a missing series).
+# No expiry on the key, on purpose: a model whose workers all died must stay on the dashboards; the
+# API's /metrics forgets a member a day after its last heartbeat (api/metrics.py, MODEL_MEMORY_S).
 MODELS = f"{PREFIX}:models"
 
 # Hash, model -> worker processes started for it (HINCRBY at start): restarts, which a
 # per-process counter would not show, since a restarted worker starts counting from scratch.
+# Permanent on purpose, no expiry: a Prometheus counter must never go back to 0 by itself (rate()
+# would read a reset), and it holds one number per model.
 WORKER_STARTS = f"{PREFIX}:worker-starts"
 
 
@@ -147,6 +151,10 @@ def heartbeat(model: str, worker_id: str) -> str:
 
 
 def tokenizer(model: str) -> str:
+    """Hash, file name -> content: the model's tokenizer files, which the API loads to count and
+    render tokens. No expiry, on purpose: every worker start rewrites it (and a heartbeat that finds
+    it gone, after Redis restarted empty), so it is as fresh as the last worker; one per model ever
+    served, a few MB (SmolLM2's: 3.5 MB; DEL it to retire a model)."""
     return f"{model_prefix(model)}tokenizer"
 
 

@@ -21,7 +21,9 @@ def _setting(default, help: str, flag: Optional[str] = None, env: Optional[str] 
 
 @dataclass(frozen=True)
 class Settings:
-    redis_url: str = _setting("redis://127.0.0.1:6379/0", "Redis that carries jobs and results")
+    redis_url: str = _setting("redis://127.0.0.1:6379/0", "Redis that carries jobs and results "
+                                                          "(redis+sentinel://, redis+cluster://, "
+                                                          "rediss:// for TLS)")
     redis_cluster: bool = _setting(False, "REDIS_URL is a node of a Redis Cluster (as a "
                                           "redis+cluster:// URL says)")
 
@@ -39,29 +41,34 @@ class Settings:
                                           "pub/sub subscriber's included; past them a request "
                                           "waits for a free one")
     request_timeout: float = _setting(300.0, "seconds a request may wait for its answer")
-    max_queue: int = _setting(-1, "jobs that may wait per model before new requests get 429 (-1: "
+    max_queue: int = _setting(-1, "jobs that may wait per model before new requests get 429 with "
+                                  "Retry-After (-1: "
                                   "4x what the live workers hold at once; 0: unbounded)")
     worker_grace: float = _setting(60.0, "seconds a request whose jobs are queued waits for a worker "
                                          "to come back (a restart) before it gives up with 503")
     api_keys: str = _setting("", "comma-separated API keys; set, every /v1 request needs "
                                  "'Authorization: Bearer <key>' (empty: no auth)", secret=True)
-    api_keys_file: str = _setting("", "a file of API keys, one per line (with or instead of --api-keys)")
-    rate_limit: int = _setting(0, "requests per minute per API key, across API processes (0: no limit)")
+    api_keys_file: str = _setting("", "a file of API keys, one per line, blank lines and # comments "
+                                      "skipped (with or instead of --api-keys)")
+    rate_limit: int = _setting(0, "requests per minute per API key (per client address without keys), "
+                                  "across API processes (0: no limit)")
     lenient: bool = _setting(False, "log and ignore request fields this API does not know, instead of a 400 "
                                     "(for clients that send extras)")
     # The batch API
     files_dir: str = _setting("", "directory for uploaded and batch output files, shared by the API and "
                                   "the batch worker (empty: in Redis)")
-    batch_file_limit: int = _setting(100, "MiB an uploaded batch file may hold at most")
+    batch_file_limit: int = _setting(100, "MiB an uploaded batch file may hold at most (beyond: 413 "
+                                          "file_too_large)")
     batch_concurrency: int = _setting(8, "requests of one batch in flight at once (batch worker); they go "
                                          "at the lowest priority, so live players go first")
     api_url: str = _setting("http://127.0.0.1:8000/v1", "the API the batch worker sends a batch's "
-                                                          "requests to")
+                                                          "requests to (serve.sh sets its own)")
 
     # The worker
     model: str = _setting("smollm2", "'smollm2' (the packaged SmolLM2-135M-Instruct) or a local "
                                      "Hugging Face causal-LM directory")
-    model_name: str = _setting("", "name clients use for the model (default: from --model)")
+    model_name: str = _setting("", "name clients use for the model, one per worker (empty: from "
+                                   "--model)")
     engine: str = _setting("continuous", "continuous (step-level batching on a paged KV cache) | "
                                          "static (the seed's padded batches, on transformers' classes)")
     batch: int = _setting(0, "most requests decoded together (0: continuous: as many as the KV "
@@ -74,7 +81,8 @@ class Settings:
     # The continuous engine
     block_size: int = _setting(16, "tokens per block of the paged KV cache")
     kv_blocks: int = _setting(0, "blocks in the KV cache (0: as many as --kv-memory holds)")
-    kv_memory: int = _setting(1024, "MiB of memory for the KV cache, when --kv-blocks is 0")
+    kv_memory: int = _setting(1024, "MiB of memory for the KV cache, when --kv-blocks is 0 (pages are "
+                                    "touched only when used)")
     max_batch_tokens: int = _setting(512, "tokens computed per step at most: decodes plus prefill "
                                           "chunks (a longer prompt is prefilled in chunks)")
     prefill_chunk: int = _setting(256, "most prompt tokens computed per step while others are "
@@ -88,26 +96,31 @@ class Settings:
                                        "as it runs; 0: untimed, --step-fill alone)")
     scheduler: str = _setting("fifo", "fifo (decodes, then ongoing prefills, then new requests) | "
                                       "prefill-first")
-    prefix_caching: bool = _setting(True, "share the KV blocks of prompts that start alike")
+    prefix_caching: bool = _setting(True, "share the KV blocks of prompts that start alike (a game's "
+                                          "shared system prompt)")
     int4_rows: int = _setting(-1, "run the model's quantized layers (the GGUF's Q4_1 blocks and Q8_0 "
                                   "head) on the quantized kernel for steps of up to this many tokens, "
                                   "the dense product beyond (-1: every step, one numeric path whatever "
                                   "the step holds: batch-invariant; 0: never)")
     small_kernel: str = _setting("auto", "the quantized kernel: auto (int8 where this CPU has AVX-512 "
                                          "VNNI or AVX2, else bytes) | int8 (the activations rounded to "
-                                         "8 bits, as llama.cpp does; batch-invariant) | int4 (torch's) | "
-                                         "bytes (float, any CPU) | dense (none)")
-    int4_head: bool = _setting(False, "also requantize the output head to 4 bits (faster, less "
-                                      "exact)")
+                                         "8 bits, as llama.cpp does; batch-invariant) | int4 (torch's, exact "
+                                         "weights) | bytes (float, any CPU) | dense (none: torch's "
+                                         "product; not batch-invariant)")
+    int4_head: bool = _setting(False, "also requantize the output head to 4 bits (faster for one "
+                                      "player, less exact)")
     torch_threads: int = _setting(0, "threads for the model's arithmetic (0: torch's choice, one "
                                      "per core)")
     cache_dir: str = _setting("~/.cache/storyteller", "where a worker keeps what makes its next "
-                                                       "start faster (empty: nowhere)")
+                                                       "start faster: the tokenizer, the compiled "
+                                                       "kernels (empty: nowhere)")
     max_attempts: int = _setting(2, "times a job is retried when its worker dies holding it (the "
                                     "last retry runs alone); after that its client gets a "
                                     "'worker_crashed' error")
-    metrics_port: int = _setting(0, "port of the worker's Prometheus /metrics, on every interface "
-                                    "(0: none)")
+    metrics_port: int = _setting(0, "port of the worker's Prometheus /metrics (0: none; each worker on "
+                                    "a host needs its own)")
+    metrics_host: str = _setting("127.0.0.1", "address the worker's /metrics listens on (0.0.0.0 in a "
+                                              "container, where Prometheus scrapes it from outside)")
     crash_on_prompt: str = _setting("", "test only, off by default: a worker that takes a job whose "
                                         "prompt is these comma-separated token ids dies at once (SIGKILL)")
     clock_skew_s: float = _setting(0.0, "test only, off by default: seconds a worker adds to every "
@@ -165,12 +178,46 @@ class Settings:
             parser.add_argument(_flag_name(f), dest=name, default=None,
                                 type=lambda raw, kind=type(f.default): _parse_value(kind, raw),
                                 help=f"{f.metadata['help']} (env {_env_name(f)}, "
-                                     f"default {_shown(f, getattr(self, name))})")
+                                     f"default {shown_default(f, getattr(self, name))})".replace("%", "%%"))
 
     @staticmethod
     def env_name(name: str) -> str:
         """The environment variable of the field `name`."""
         return _env_name({f.name: f for f in fields(Settings)}[name])
+
+
+# Settings only tests use: kept out of --help and of the README's table; the others are DOCUMENTED.
+TEST_ONLY = ("crash_on_prompt", "clock_skew_s", "step_delay_s")
+DOCUMENTED = [f.name for f in fields(Settings) if f.name not in TEST_ONLY]
+
+
+def shown_default(f, value) -> str:
+    """A setting's value as --help and the README show it: as the environment takes it (a yes/no as
+    1/0), a secret hidden, a URL's password masked, nothing as 'empty'."""
+    if f.metadata.get("secret") and value:
+        return "<hidden>"
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, str):
+        return masked(value) if value else "empty"
+    return str(value)
+
+
+def settings_table(flags: Sequence[str]) -> str:
+    """The Markdown table of the named settings (env, flag, default, what), as the README shows it:
+    made from the same definitions as --help, so the two cannot disagree."""
+    by_name = {f.name: f for f in fields(Settings)}
+    defaults = Settings()
+    rows = ["| env | flag | default | what |", "|---|---|---|---|"]
+    for name in flags:
+        f = by_name[name]
+        default = shown_default(f, getattr(defaults, name))
+        cells = [f"`{_env_name(f)}`", f"`{_flag_name(f)}`", default if default == "empty" else f"`{default}`",
+                 f.metadata["help"].replace("<", "&lt;").replace(">", "&gt;")]  # <key> is no HTML tag
+        rows.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    return "\n".join(rows) + "\n"
 
 
 def _shown(f, value) -> str:
@@ -197,3 +244,28 @@ def _env_name(f) -> str:
 
 def _flag_name(f) -> str:
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+README_START, README_END = "<!-- settings:start -->\n", "<!-- settings:end -->"
+
+
+def update_readme(path: str) -> None:
+    """Put the table between the README's markers, in place of the one there."""
+    with open(path) as f:
+        text = f.read()
+    start, end = text.index(README_START) + len(README_START), text.index(README_END)
+    with open(path, "w") as f:
+        f.write(text[:start] + settings_table(DOCUMENTED) + text[end:])
+
+
+if __name__ == "__main__":  # the README's table: printed, or written into the README
+    parser = argparse.ArgumentParser(description="The settings' table as the README shows it")
+    action = parser.add_mutually_exclusive_group(required=True)
+    action.add_argument("--markdown", action="store_true", help="print it")
+    action.add_argument("--update-readme", metavar="README", help="write it between the markers of README "
+                                                                  "(README.md)")
+    args = parser.parse_args()
+    if args.update_readme:
+        update_readme(args.update_readme)
+    else:
+        print(settings_table(DOCUMENTED), end="")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from serve import free_port, port_is_free
+from serve import ensure_redis, free_port, port_is_free
 from shared import keys
 from tests.processes import ROOT, _env
 
@@ -175,3 +176,61 @@ def test_worker_killed_after_start_stops_the_rest(tmp_path, tag, real_redis, red
     assert serve.last_error_line() == (f"serve.py: the worker (pid {workers[0]}) was killed by signal 9; "
                                        f"stopped everything it had started")
     assert_nothing_left(tag, port)
+
+
+# What serve.py says before it starts: a Redis it did not start, a missing compiler
+
+def test_a_redis_it_did_not_start_is_named_with_its_db_and_how_to_pick_another(redis_server):
+    url = redis_server.url.removesuffix("/0") + "/3"
+    note, started = ensure_redis(url)
+    assert started == []  # it answers: nothing started, and it says where it will write
+    assert f"into db 3 of the Redis at {url}, which it did not start" in note
+    assert "REDIS_URL=redis://127.0.0.1:6379/5 ./serve.sh" in note
+
+
+def test_without_a_compiler_it_warns_in_one_line_and_goes_on(tmp_path, tag, redis_server):
+    no_compiler = tmp_path / "bin"  # a PATH with no c++ nor g++ on it
+    no_compiler.mkdir()
+    serve = Serve(tmp_path, tag, ["--model", "/nonexistent"], REDIS_URL=redis_server.url, PORT=str(free_port()),
+                  PATH=str(no_compiler))
+    assert serve.wait() == 2
+    errors = serve.err.read_text().splitlines()
+    warnings = [line for line in errors if line.startswith("warning: no C++ compiler")]
+    assert len(warnings) == 1 and "apt-get install g++" in warnings[0], errors
+    # Past the warning, the checks went on: the model's error is what stopped it.
+    assert "'/nonexistent': no such directory" in serve.last_error_line()
+
+
+# --metrics
+
+PROMETHEUS_SCRIPT = """
+import json, sys, time, urllib.request
+import serve
+serve.PROMETHEUS_PORT = serve.free_port()
+service = serve.Service()
+try:
+    print(serve.start_prometheus(service, "http://127.0.0.1:1/v1", [2]), flush=True)
+    for _ in range(600):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{serve.PROMETHEUS_PORT}/api/v1/rules", timeout=1) as r:
+                print(json.dumps(json.load(r)), flush=True)
+                break
+        except OSError:
+            time.sleep(0.1)
+finally:
+    service.stop()
+"""
+
+
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="no prometheus installed (test.sh installs it)")
+def test_metrics_prometheus_loads_the_alerts_logs_to_a_file_and_leaves_no_folder(tmp_path):
+    done = subprocess.run([sys.executable, "-c", PROMETHEUS_SCRIPT], cwd=ROOT, env=_env(TMPDIR=str(tmp_path)),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-4000:]
+    banner, rules = done.stdout.splitlines()[:2]
+    log = tmp_path / "storyteller-prometheus.log"
+    assert f"its log: {log}" in banner and "prometheus/alerts.yml" in banner
+    assert [group["name"] for group in json.loads(rules)["data"]["groups"]] == ["storyteller"]
+    assert "Server is ready" in log.read_text()  # its log went to the file, not the terminal
+    assert "Server is ready" not in done.stdout + done.stderr
+    assert list(tmp_path.glob("storyteller-prometheus-*")) == []  # its data folder removed at exit

@@ -26,7 +26,7 @@ from worker.worker import Worker
 FLAGS = ["redis_url", "redis_cluster", "model", "model_name", "engine", "batch", "wait_ms", "dtype", "device",
          "block_size", "kv_blocks", "kv_memory", "max_batch_tokens", "prefill_chunk", "step_fill", "max_stretch",
          "scheduler", "prefix_caching", "int4_rows", "small_kernel", "int4_head", "torch_threads", "cache_dir",
-         "max_attempts", "metrics_port"]
+         "max_attempts", "metrics_port", "metrics_host"]
 STATIC_DEFAULT_BATCH = 64
 # A cut link stalls TCP without an error (no RST): each Redis call gives up after this, so a worker
 # behind one logs it, goes on trying, and reconnects once the link is back, instead of waiting on a
@@ -119,7 +119,8 @@ def main(argv=None) -> None:
     worker.install_signal_handlers()
     if settings.metrics_port:
         metrics.serve(settings.metrics_port, metrics.EngineCollector(info.model, engine, queue.requeued,
-                                                                     queue.crashed, queue.left_for_numerics))
+                                                                     queue.crashed, queue.left_for_numerics),
+                      settings.metrics_host)
     logging.info("serving %s (%s, %s, context %d) on the %s engine, up to %d requests at once; "
                  "ready %.1f s after start", info.model, info.device, info.dtype, info.context_window,
                  engine.name, engine.capacity, time.monotonic() - started)

@@ -48,7 +48,8 @@ def problem(settings: Settings, host: str) -> Optional[str]:
     if all(info.draining for info in workers):
         return "the worker is draining: it is stopping and takes no new jobs"
     if settings.metrics_port:
-        url = f"http://127.0.0.1:{settings.metrics_port}/metrics"
+        host = "127.0.0.1" if settings.metrics_host in ("0.0.0.0", "") else settings.metrics_host
+        url = f"http://{host}:{settings.metrics_port}/metrics"
         try:
             with urllib.request.urlopen(url, timeout=TIMEOUT_S) as response:
                 response.read()

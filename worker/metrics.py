@@ -111,11 +111,12 @@ def _one(family, model: str, value):
     return family
 
 
-def serve(port: int, collector: EngineCollector) -> None:
-    """Serve /metrics on `port`, every interface (a container's port is published from there)."""
+def serve(port: int, collector: EngineCollector, host: str = "127.0.0.1") -> None:
+    """Serve /metrics on `host`:`port` (--metrics-host: 0.0.0.0 in a container, whose port is
+    published from there)."""
     REGISTRY.register(collector)
     try:
-        start_http_server(port)
+        start_http_server(port, addr=host)
     except OSError as exc:
         raise SystemExit(f"worker: --metrics-port {port}: {exc.strerror}")
-    log.info("metrics on :%d/metrics", port)
+    log.info("metrics on %s:%d/metrics", host, port)
