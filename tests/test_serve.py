@@ -95,7 +95,9 @@ def assert_nothing_left(tag: str, *ports: int) -> None:
         time.sleep(0.1)
     left = {pid: " ".join(cmdline(pid)) for pid in tagged(tag)}
     assert not left, f"processes left behind: {left}"
-    for port in ports:
+    for port in ports:  # a closed connection's end may take a moment to go
+        while not port_is_free("127.0.0.1", port) and time.monotonic() < give_up + 5:
+            time.sleep(0.1)
         assert port_is_free("127.0.0.1", port), f"port {port} still taken"
 
 

@@ -135,6 +135,9 @@ def test_second_ctrl_c_stops_at_once(tmp_path, tag, tiny_model_dirs):  # noqa: F
     with pytest.raises((openai.APIConnectionError, httpx2.HTTPError)):  # the stream was cut, not finished
         for _ in stream:
             pass
+    # Our end closed too: the dead API's end of the cut connection would otherwise hold its port
+    # (FIN_WAIT_2) until the kernel's timeout, which is not something left running.
+    stream.close()
     assert_nothing_left(tag, port, redis_port)
 
 
