@@ -9,7 +9,7 @@ from a copy of it (~15 µs) instead of a compile.
 Per step, the model runner asks `MaskFiller` for the constrained rows' allowed tokens before the
 forward pass and collects them after it: llguidance computes the masks on a thread of their own
 with Python's lock released, while the C++ decoder computes the logits
-(worker/continuous/model_runner.py).
+(worker/continuous/model_runner.py); a few rows' (INLINE_ROWS) are computed right away instead.
 The mask is as wide as the model's logits (tokens past the tokenizer's are never allowed), and
 worker/logits.py applies it before every path that picks (greedy, torch's top-k/top-p, the C++
 sampler). Each picked token is consumed by the matcher; once the grammar is complete and allows
@@ -103,7 +103,8 @@ class Grammars:
 
 
 class MaskFiller:
-    """Computes the constrained rows' masks in the background while the step's forward pass runs.
+    """Computes the constrained rows' masks in the background while the step's forward pass runs
+    (up to INLINE_ROWS of them at once, before it).
 
     One thread, row after row (llguidance's fill_next_token_bitmask, Python's lock released): ~10-50
     µs a row, done well inside a forward pass. Not llguidance's parallel executor: on 2 cores its
