@@ -19,8 +19,10 @@ import httpx2
 import openai
 import psutil
 import pytest
+import redis
 
 from serve import free_port
+from shared import keys
 from tests.processes import ROOT, _env, make_client, models_served
 from tests.test_serve import Serve, assert_nothing_left, tag, tagged  # noqa: F401 (tag: a fixture)
 
@@ -64,10 +66,10 @@ def group_members(pgid: int) -> list[psutil.Process]:
     return found
 
 
-def long_stream(port: int):
+def long_stream(port: int, max_tokens: int = MAX_TOKENS):
     client = make_client(port)
     model = sorted(models_served(port))[0]
-    return client.completions.create(model=model, prompt="Once upon a time", max_tokens=MAX_TOKENS,
+    return client.completions.create(model=model, prompt="Once upon a time", max_tokens=max_tokens,
                                      stream=True, stream_options={"include_usage": True},
                                      extra_body={"ignore_eos": True})
 
@@ -119,6 +121,47 @@ def test_ctrl_c_to_the_group_drains_a_running_stream(tmp_path, tag, tiny_model_d
     assert serve.wait() == 0, serve.output()[-4000:]
     assert "serve.py:" not in serve.err.read_text()
     assert group_members(pgid) == []
+    assert_nothing_left(tag, port, redis_port)
+
+
+def read_stream(port: int, max_tokens: int, into: dict) -> None:
+    """A stream asked for and read to its end (or its error): its finish_reason and usage."""
+    try:
+        for chunk in long_stream(port, max_tokens):
+            if chunk.choices:
+                into["finish"] = chunk.choices[0].finish_reason or into.get("finish")
+            if chunk.usage:
+                into["usage"] = chunk.usage.completion_tokens
+    except Exception as exc:  # noqa: BLE001 (the assertion below shows it)
+        into["error"] = repr(exc)
+
+
+def test_ctrl_c_answers_the_queued_requests_too(tmp_path, tag, tiny_model_dirs):  # noqa: F811
+    """A queue deeper than the batch when the whole service stops: the last worker takes the queued
+    requests too (it is the last of its model), and every stream ends whole."""
+    serve, port, redis_port = start(tmp_path, tag, tiny_model_dirs, BATCH="1")
+    model = sorted(models_served(port))[0]
+    queued = redis.Redis(port=redis_port)
+    tokens = 30  # 3 x 30 steps of ~0.08 s: well inside the stop timeout
+    results = [{} for _ in range(3)]
+    readers = [threading.Thread(target=read_stream, args=(port, tokens, r), daemon=True) for r in results]
+    for reader in readers:
+        reader.start()
+    give_up = time.monotonic() + 30
+    while sum(queued.llen(q) for q in keys.queues(model)) < 2:  # one running, two waiting in Redis
+        assert time.monotonic() < give_up, "the requests never queued up behind the batch of one"
+        time.sleep(0.02)
+    outcome = {}
+    serve.ctrl_c()
+    refused_once_draining(port, outcome)
+    for reader in readers:
+        reader.join(60)
+    assert results == [{"finish": "length", "usage": tokens}] * 3, (results, serve.output()[-4000:])
+    assert outcome.get("status") == 503, (outcome, serve.output()[-4000:])
+    assert serve.wait() == 0, serve.output()[-4000:]
+    assert "serve.py:" not in serve.err.read_text()
+    assert "Traceback" not in serve.output(), serve.output()[-4000:]
+    assert group_members(serve.process.pid) == []
     assert_nothing_left(tag, port, redis_port)
 
 

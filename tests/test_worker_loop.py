@@ -1,15 +1,20 @@
-"""The worker's loop on its own, with stand-ins for Redis and the engine: how it stops."""
+"""The worker's loop on its own, with stand-ins for Redis or the engine: how it stops."""
 from __future__ import annotations
 
 import threading
 import time
 from types import SimpleNamespace
 
+import pytest
 import redis
 
-from shared.protocol import WorkerInfo
+from shared import keys
+from shared.protocol import Job, SamplingParams, WorkerInfo
 from shared.settings import Settings
+from tests.tiny_models import tiny_tokenizer
 from worker import worker as worker_module
+from worker.job_queue import JobQueue
+from worker.sequence import Sequence
 from worker.worker import Worker
 
 
@@ -58,3 +63,127 @@ def test_a_stopping_worker_whose_redis_is_gone_leaves_after_a_while(monkeypatch)
     assert done.wait(10), "the worker never left"
     assert 0.5 <= time.monotonic() - started < 5
 
+
+
+# Queued jobs when workers stop: the last ones take them (worker.Worker._admit).
+
+MODEL = "m"
+
+
+class OneAtATime:
+    """An engine that holds one job at a time and writes a token a step (real Sequences, so the
+    queue publishes real answers)."""
+    capacity, last_batch, numerics, features = 1, 0, "", ()
+
+    def __init__(self):
+        self.tokenizer = tiny_tokenizer()
+        self.held: list[Sequence] = []
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.held)
+
+    def free_slots(self) -> int:
+        return self.capacity - len(self.held)
+
+    def add(self, job, written=None, constraint=None) -> Sequence:
+        seq = Sequence(job, self.tokenizer, frozenset({self.tokenizer.eos_token_id}), written)
+        self.held.append(seq)
+        return seq
+
+    def step(self) -> list[Sequence]:
+        changed, self.last_batch = list(self.held), len(self.held)
+        for seq in changed:
+            seq.append(self.tokenizer(" knight").input_ids[0])
+        self.held = [s for s in self.held if not s.finished]
+        return changed
+
+    def sequences(self) -> list[Sequence]:
+        return list(self.held)
+
+    def reset(self) -> list[Sequence]:
+        dropped, self.held = self.held, []
+        return dropped
+
+    def stats(self) -> dict:
+        return {}
+
+
+def _info(worker_id: str, draining: bool = False) -> WorkerInfo:
+    return WorkerInfo(id=worker_id, model=MODEL, context_window=128, engine="test", batch=1, device="cpu",
+                      dtype="float32", tokenizer_digest="x", pid=1, host="h", started=0.0, draining=draining)
+
+
+def _queue_jobs(client, count: int) -> list[str]:
+    jobs = [Job(id=f"job-{i}", model=MODEL, prompt_ids=[5, 6, 7], params=SamplingParams(max_tokens=3),
+                timeout_s=60) for i in range(count)]
+    client.rpush(keys.queue(MODEL), *[j.to_json() for j in jobs])
+    return [j.id for j in jobs]
+
+
+def _stopped_worker(client, worker_id: str) -> Worker:
+    worker = Worker(JobQueue(client, worker_id, MODEL), OneAtATime(), _info(worker_id),
+                    Settings(heartbeat_s=0.05, wait_ms=0))
+    worker.stop()  # as SIGTERM does, before it looked at the queue
+    return worker
+
+
+def _run_all(workers: list[Worker]) -> None:
+    threads = [threading.Thread(target=w.run, daemon=True) for w in workers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+        assert not thread.is_alive(), "a stopping worker never left"
+
+
+def _answered(client, ids: list[str]) -> list[str]:
+    return [i for i in ids if client.exists(keys.answer(MODEL, i))]
+
+
+@pytest.fixture(params=["fakeredis", "redis-server"])
+def client(request):
+    return request.getfixturevalue("fake_redis" if request.param == "fakeredis" else "real_redis")
+
+
+@pytest.mark.parametrize("peer", ["none", "draining", "dead"])
+def test_the_last_worker_to_stop_answers_the_queue_deeper_than_its_batch(client, peer):
+    """No other worker takes jobs (none, one draining too, one whose heartbeat expired): the
+    stopping worker, with room for one job at a time, answers all three queued before it leaves."""
+    if peer != "none":
+        JobQueue(client, "peer", MODEL).heartbeat(_info("peer", draining=peer == "draining"),
+                                                  ttl_s=30 if peer == "draining" else 0.01)
+        time.sleep(0.05)
+    ids = _queue_jobs(client, 3)
+    _run_all([_stopped_worker(client, "w")])
+    assert _answered(client, ids) == ids
+    assert client.llen(keys.queue(MODEL)) == 0
+    assert client.llen(keys.processing(MODEL, "w")) == 0
+
+
+def test_a_stopping_worker_leaves_the_queue_to_a_live_one(client):
+    """A rolling restart: another worker of the model takes jobs, so the stopping one takes none."""
+    JobQueue(client, "peer", MODEL).heartbeat(_info("peer"), ttl_s=30)
+    ids = _queue_jobs(client, 3)
+    started = time.monotonic()
+    _run_all([_stopped_worker(client, "w")])
+    assert time.monotonic() - started < 5
+    assert _answered(client, ids) == []
+    assert client.llen(keys.queue(MODEL)) == 3
+    assert JobQueue(client, "peer", MODEL).others_taking() is False  # "w" left: nobody but the peer
+
+
+def test_workers_stopping_together_leave_no_job_unanswered(client):
+    """Every worker stopped at once, each seeing the others taking jobs when it was told: the one
+    that looks last sees the others draining, so the queue is emptied all the same."""
+    ids = _queue_jobs(client, 6)
+    workers = [Worker(JobQueue(client, f"w{i}", MODEL), OneAtATime(), _info(f"w{i}"),
+                      Settings(heartbeat_s=0.05, wait_ms=0)) for i in range(3)]
+    for worker in workers:  # each announced, taking jobs
+        worker.queue.heartbeat(worker.info, ttl_s=30)
+    assert workers[0].queue.others_taking()
+    for worker in workers:
+        worker.stop()
+    _run_all(workers)
+    assert _answered(client, ids) == ids
+    assert client.llen(keys.queue(MODEL)) == 0

@@ -581,6 +581,24 @@ class JobQueue:
         struck_off, self._registered = bool(added) and self._registered, True
         return struck_off
 
+    def others_taking(self) -> bool:
+        """Whether another worker of this model takes jobs: it has a live heartbeat that does not
+        announce it is draining (as the API reads them: api/broker.py workers_for). A draining worker
+        asks before it leaves queued jobs to others (worker.Worker._admit)."""
+        others = [w for w in self.redis.hkeys(keys.model_workers(self.model)) if _text(w) != self.worker_id]
+        if not others:
+            return False
+        # One MGET: the registry and the heartbeats are in the model's slot.
+        for beat in self.redis.mget([keys.heartbeat(self.model, _text(w)) for w in others]):
+            if beat is None:  # dead, or left: its entry stays until its processing list is empty
+                continue
+            try:
+                if not WorkerInfo.from_json(beat).draining:
+                    return True
+            except (ValueError, TypeError):  # a heartbeat of another version: alive, taking jobs
+                return True
+        return False
+
     def store_tokenizer(self, files: dict[str, bytes]) -> None:
         self._tokenizer_files = files
         pipe = self.redis.pipeline(transaction=True)  # (a cluster's pipeline is not one by default)

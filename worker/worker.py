@@ -57,7 +57,11 @@ class Worker:
         self.info = info
         self.settings = settings
         self.metrics = WorkerMetrics(info.model)
-        self.stopping = threading.Event()  # set by SIGTERM: finish what we hold, take no more
+        # Set by SIGTERM: finish what we hold, and take no more while another worker of the model
+        # takes jobs (the last ones to stop empty the queue: _admit).
+        self.stopping = threading.Event()
+        self._announced_draining = False  # the loop has written a heartbeat saying so
+        self._beat_lock = threading.Lock()  # one heartbeat at a time: _announce
         self._unpublished: list[Sequence] = []  # finished while Redis was unreachable
         self._left = threading.Event()  # the loop has ended: the heartbeat must stop too
         # Set by the heartbeat: this worker was declared dead while cut off from Redis, and some of
@@ -77,7 +81,8 @@ class Worker:
 
     def stop(self) -> None:
         if not self.stopping.is_set():
-            log.info("stopping: finishing %d request(s), taking no more", len(self.engine.sequences()))
+            log.info("stopping: finishing %d request(s), and the queued ones unless another worker of "
+                     "%s takes them", len(self.engine.sequences()), self.info.model)
             # Announced, so the API sends new requests for this model elsewhere (or answers 503).
             self.info = replace(self.info, draining=True)
         self.stopping.set()
@@ -88,15 +93,19 @@ class Worker:
         self._heartbeat.start()
         redis_lost_since = None
         try:
-            while not (self.stopping.is_set() and not self.engine.busy and not self._unpublished):
+            while True:
                 try:
-                    self._admit()
+                    took = self._admit()
                     if self.engine.busy:
                         self._step()
                     elif self._unpublished:
                         self._publish([])
+                    elif self.stopping.is_set() and not took:  # nothing held, nothing more to take
+                        break
                     redis_lost_since = None
                 except redis.RedisError as exc:
+                    if self.stopping.is_set() and not self.engine.busy and not self._unpublished:
+                        break  # nothing held to finish: no reason to wait for Redis
                     # Decoding goes on; what could not be published is sent once Redis is back.
                     redis_lost_since = redis_lost_since or time.monotonic()
                     if self.stopping.is_set() and time.monotonic() - redis_lost_since > STOPPING_REDIS_WAIT_S:
@@ -121,30 +130,50 @@ class Worker:
                 log.warning("could not sign off: %s", exc)
             log.info("worker %s stopped", self.info.id)
 
-    def _admit(self) -> None:
+    def _admit(self) -> int:
         """Take the jobs the engine will start at its next step, and no more (`free_slots`): one it
         would not start stays in Redis, where a worker with room takes it, instead of waiting inside
         this one. The engine's count is a guess until it holds the jobs and sees their prompts, so
-        it is asked again after each take, a few times at most."""
+        it is asked again after each take, a few times at most. Returns how many it took.
+
+        A stopping worker takes queued jobs only while no other worker of its model takes jobs (a
+        live heartbeat, not draining): in a rolling restart it leaves the queue to the workers that
+        stay, and when the whole service stops (serve.py's Ctrl-C, `docker compose down`) the last
+        ones empty the queue, so that no client waits for an answer that nobody will write. It
+        takes no longer than it would finish what it held: whoever stops it kills it after its stop
+        timeout (serve.py: STOP_TIMEOUT_S; compose: stop_grace_period)."""
         if self._stranded_due.is_set():
             self._adopt_stranded()
         idle = not self.engine.busy
         if not idle and not self._poll_due("take"):
-            return
+            return 0
+        stopping = self.stopping.is_set()
+        if stopping:
+            if not self._announced_draining:
+                # Said before it looks at the others: of two workers stopping at once, the second to
+                # look then sees the first draining, and takes (neither leaves the queue to the other).
+                self._announce()
+                self._announced_draining = True
+            if self.queue.others_taking():
+                return 0
         # Idle, it blocks for a first job, then waits up to --wait for the batch to fill (over all
         # the rounds). Busy, it must not wait for Redis: it takes whatever is there, between steps.
-        block = IDLE_BLOCK_S if idle else 0
-        fill_until = time.monotonic() + (self.settings.wait_ms / 1000 if idle else 0)
+        # Stopping, it waits for nothing: an empty queue now ends it.
+        block = IDLE_BLOCK_S if idle and not stopping else 0
+        fill_until = time.monotonic() + (self.settings.wait_ms / 1000 if idle and not stopping else 0)
+        took = 0
         for _ in range(ADMIT_ROUNDS):
-            room = 0 if self.stopping.is_set() else self.engine.free_slots()
+            room = self.engine.free_slots()
             if not room or (self.queue.isolated and self._running_alone()):
-                return
+                break
             taken = self.queue.take(room, max(0.0, fill_until - time.monotonic()), block,
                                     alone_ok=not self.engine.busy)
             self._add(taken)
+            took += len(taken)
             if len(taken) < room:  # the queue is empty
-                return
+                break
             block = 0
+        return took
 
     def _adopt_stranded(self, room: Optional[int] = None) -> None:
         """Run the jobs that a take whose reply was lost left in this worker's processing list, as
@@ -265,16 +294,23 @@ class Worker:
             if not check:
                 self._struck_off.set()
 
+    def _announce(self) -> None:
+        """A heartbeat with what self.info says now. One at a time (the loop writes one when it starts
+        stopping, the heartbeat thread the others): a beat read before stop() cannot land after the
+        loop's, and say again that this worker takes jobs."""
+        with self._beat_lock:
+            # Not stored back: stop() may be setting `draining` on self.info meanwhile.
+            info = replace(self.info, stats={**self.engine.stats(), "rss_mb": resident_mb()})
+            if self.queue.heartbeat(info, self.settings.heartbeat_ttl_s):
+                log.warning("this worker was declared dead while cut off from Redis: what it holds "
+                            "may be written by other workers now; checking its leases")
+                self._struck_off.set()
+
     def _beat(self) -> None:
         while not self._left.wait(self.settings.heartbeat_s):
             self._stranded_due.set()
             try:
-                # Not stored back: stop() may be setting `draining` on self.info meanwhile.
-                info = replace(self.info, stats={**self.engine.stats(), "rss_mb": resident_mb()})
-                if self.queue.heartbeat(info, self.settings.heartbeat_ttl_s):
-                    log.warning("this worker was declared dead while cut off from Redis: what it holds "
-                                "may be written by other workers now; checking its leases")
-                    self._struck_off.set()
+                self._announce()
                 self.queue.requeue_dead_workers()
             except Exception:  # Redis away for a moment: keep trying, the loop reports its own errors
                 log.exception("heartbeat failed")
