@@ -3,39 +3,32 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 ./setup.sh
+
+# Debian's packages the tests need, each installed when its command is missing (one apt-get update).
+updated=0
+need() {  # need COMMAND PACKAGE: why, in the comment above each call
+    command -v "$1" >/dev/null && return
+    echo "installing $2..."
+    local sudo=""
+    [ "$(id -u)" = 0 ] || sudo=sudo
+    if [ "$updated" = 0 ]; then $sudo apt-get update -qq; updated=1; fi
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$2" >/dev/null
+}
 # The integration tests start private redis-servers of their own.
-if ! command -v redis-server >/dev/null; then
-    echo "installing redis-server..."
-    if [ "$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
-    else sudo apt-get update -qq && sudo apt-get install -y -qq redis-server >/dev/null; fi
-fi
+need redis-server redis-server
 # tests/test_sentinel.py runs a primary, a replica and three redis-sentinel processes of its own
 # (Debian's redis-sentinel: redis-server in sentinel mode; its service is not started in a container).
-if ! command -v redis-sentinel >/dev/null; then
-    echo "installing redis-sentinel..."
-    if [ "$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq redis-sentinel >/dev/null
-    else sudo apt-get update -qq && sudo apt-get install -y -qq redis-sentinel >/dev/null; fi
-fi
-# tests/test_cluster.py joins three redis-servers into a cluster with redis-cli (Debian's redis-tools,
-# which redis-server's package brings along).
-if ! command -v redis-cli >/dev/null; then
-    echo "installing redis-tools..."
-    if [ "$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq redis-tools >/dev/null
-    else sudo apt-get update -qq && sudo apt-get install -y -qq redis-tools >/dev/null; fi
-fi
-# tests/test_deploy.py validates docker-compose.yml with Debian's docker-compose (1.29): its
-# `config` needs no Docker engine (these machines have none, so no image is built in the tests).
-# Without its recommended docker.io: the engine is not wanted here.
-if ! command -v docker-compose >/dev/null; then
-    echo "installing docker-compose..."
-    if [ "$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq --no-install-recommends docker-compose >/dev/null
-    else sudo apt-get update -qq && sudo apt-get install -y -qq --no-install-recommends docker-compose >/dev/null; fi
-fi
-# tests/test_metrics_processes.py runs a real Prometheus (Debian's, 2.42) against the API and the workers.
-# Without its recommends (node exporter and the like): only the server is wanted.
-if ! command -v prometheus >/dev/null; then
-    echo "installing prometheus..."
-    if [ "$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null
-    else sudo apt-get update -qq && sudo apt-get install -y -qq --no-install-recommends prometheus >/dev/null; fi
-fi
+need redis-sentinel redis-sentinel
+# tests/test_cluster.py joins three redis-servers into a cluster with redis-cli.
+need redis-cli redis-tools
+# tests/test_metrics_processes.py runs a real Prometheus (Debian's, 2.42) against the API and the
+# workers; tests/test_deploy.py checks the alert rules with its promtool.
+need prometheus prometheus
+# tests/test_deploy.py validates docker-compose.yml with Debian's docker-compose (1.29);
+# tests/test_docker.py builds both images with Debian's Docker engine (20.10; its daemon is started by
+# the test, with a data root of its own), their base made of Debian's packages by mmdebstrap, and runs
+# the compose stack.
+need docker-compose docker-compose
+need dockerd docker.io
+need mmdebstrap mmdebstrap
 exec .venv/bin/python -m pytest "$@"

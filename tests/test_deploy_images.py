@@ -1,6 +1,7 @@
-"""The images, run without Docker (these machines have a Docker client but no engine): each image's
-Python is reproduced from .venv's packages (only those its requirements file installs: the API's has no
-torch) and the folders its Dockerfile copies, and the two serve real completions together, their
+"""The images, run without Docker (tests/test_docker.py builds and runs the real ones where a Docker
+daemon can start; this runs everywhere, in a minute): each image's Python is reproduced from .venv's
+packages (only those its requirements file installs: the API's has no torch) and the folders its
+Dockerfile copies, and the two serve real completions together, their
 HEALTHCHECK commands passing, exposing with the right types every metric the dashboard and the alert
 rules query; `python -m worker.health` is also run against workers that load, stop, drain or live
 elsewhere. Reading the Dockerfiles, the dashboard and the alert rules is tests/test_deploy.py's.
