@@ -13,14 +13,13 @@ next start, sending only the requests that had no answer yet); then the API (gun
 stop), then a redis-server started here. A second signal kills what is left at once. Every child runs
 in a process group of its own, so that the terminal's Ctrl-C, sent to the whole foreground group,
 reaches serve.py alone (gunicorn stops at once on SIGINT, cutting the streams); each is started with
-a parent-death signal (SIGKILL), so that none outlives serve.py if serve.py itself is killed.
+a parent-death signal (SIGKILL), so that none outlives serve.py if serve.py itself is killed; the
+batch worker gives the same to the process it forks for each batch (RQ's "work horse").
 """
 from __future__ import annotations
 
 import argparse
 import atexit
-import ctypes
-import ctypes.util
 import importlib.util
 import json
 import os
@@ -39,36 +38,18 @@ from urllib.parse import unquote, urlparse
 
 import redis
 
+from shared.lifetime import dies_with_parent
 from shared.redis_client import connect, explain, is_cluster, is_sentinel, masked
 from shared.settings import TEST_ONLY, Settings
 
 READY_TIMEOUT_S = 300
 STOP_TIMEOUT_S = 60  # a worker finishing the requests it holds, gunicorn its open responses
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform == "linux" else None
-
-
-def _die_with_parent(parent: int) -> None:
-    """In a child between fork and exec: SIGKILL when serve.py dies (Linux), even by SIGKILL.
-
-    Linux sends it when the thread that forked the child exits: every child is started from the main
-    thread, which lives as long as serve.py does."""
-    if _libc is not None:
-        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # serve.py died before the prctl: nobody would send the signal
-        os._exit(1)
-
-
-def dies_with_parent():
-    """subprocess.Popen's preexec_fn for a child that must not outlive serve.py."""
-    parent = os.getpid()
-    return lambda: _die_with_parent(parent)
-
-
 def child_options() -> dict:
     """subprocess.Popen's arguments for a child of serve.py: a process group of its own (out of reach
-    of the terminal's Ctrl-C: serve.py stops it in its turn) that dies with serve.py."""
+    of the terminal's Ctrl-C: serve.py stops it in its turn) that dies with serve.py (a parent-death
+    signal: shared/lifetime.py; every child is started from serve.py's main thread, which lives as
+    long as serve.py does, as Linux's signal needs)."""
     return {"process_group": 0, "preexec_fn": dies_with_parent()}
 
 

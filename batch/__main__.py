@@ -13,6 +13,7 @@ from rq import Queue, Worker
 
 from batch import job
 from shared import keys
+from shared.lifetime import forks_die_with_parent
 from shared.redis_client import connect, is_cluster, masked
 from shared.settings import Settings
 
@@ -34,6 +35,10 @@ def main(argv=None) -> None:
         raise SystemExit(f"batch: RQ does not work with a Redis Cluster ({masked(settings.redis_url)}): "
                          f"the batch API needs one Redis or Sentinel")
     job.configure(settings)  # before RQ forks a process per job, which inherits it
+    # That process (RQ's "work horse", in a process group of its own) dies with this worker: killed
+    # outright (serve.py's stop timeout, serve.py itself killed, whose parent-death signal ends this
+    # worker), it must not go on sending a batch nobody watches; RQ runs the batch again (above).
+    forks_die_with_parent()
     connection = connect(settings.redis_url)
     worker = Worker([Queue(keys.BATCH_QUEUE, connection=connection)], connection=connection,
                     maintenance_interval=MAINTENANCE_INTERVAL_S)

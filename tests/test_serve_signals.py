@@ -15,6 +15,9 @@ import threading
 import time
 import urllib.request
 
+import io
+import json
+
 import httpx2
 import openai
 import psutil
@@ -24,7 +27,7 @@ import redis
 from serve import free_port
 from shared import keys
 from tests.processes import ROOT, _env, make_client, models_served
-from tests.test_serve import Serve, assert_nothing_left, tag, tagged  # noqa: F401 (tag: a fixture)
+from tests.test_serve import Serve, assert_nothing_left, cmdline, tag, tagged  # noqa: F401 (tag: a fixture)
 
 pytestmark = pytest.mark.slow  # each starts the whole service: ~10-30 s on 2 cores
 
@@ -47,10 +50,12 @@ class GroupServe(Serve):
 
 
 def start(tmp_path, tag, tiny_model_dirs, **env):  # noqa: F811
-    """serve.py with the tiny model, a slow worker and a redis-server of its own on a private port."""
+    """serve.py with the tiny model, a slow worker and a redis-server of its own on a private port
+    (or the one at env's REDIS_URL)."""
     port, redis_port = free_port(), free_port()
-    serve = GroupServe(tmp_path, tag, [], REDIS_URL=f"redis://127.0.0.1:{redis_port}/0", PORT=str(port),
-                       MODEL=tiny_model_dirs["llama"], STEP_DELAY_S=STEP_DELAY_S, **env)
+    env.setdefault("REDIS_URL", f"redis://127.0.0.1:{redis_port}/0")
+    serve = GroupServe(tmp_path, tag, [], PORT=str(port), MODEL=tiny_model_dirs["llama"],
+                       STEP_DELAY_S=STEP_DELAY_S, **env)
     serve.wait_until_ready()
     return serve, port, redis_port
 
@@ -199,3 +204,45 @@ def test_children_die_with_serve_py(tmp_path, tag, tiny_model_dirs, how):  # noq
     assert_nothing_left(tag, port, redis_port)
     with pytest.raises(OSError):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+
+
+def batch_horse(tag: str) -> psutil.Process | None:  # noqa: F811
+    """The process RQ's batch worker forked for the batch it runs (its "work horse"), if any."""
+    for pid in tagged(tag):
+        try:
+            if cmdline(pid)[1:3] == ["-m", "batch"]:
+                children = psutil.Process(pid).children()
+                return children[0] if children else None
+        except (OSError, IndexError, psutil.Error):
+            pass
+    return None
+
+
+def test_a_running_batch_dies_with_serve_py(tmp_path, tag, tiny_model_dirs, real_redis, redis_server):  # noqa: F811
+    """serve.py killed outright while a batch runs: the batch worker's forked job process, whose
+    parent is the batch worker and not serve.py, dies at once too (its own parent-death signal).
+    A Redis that serve.py did not start, which outlives it: with serve.py's own, the job process
+    would soon fail on its own once Redis was gone; with this one it would go on for hours."""
+    serve, port, _ = start(tmp_path, tag, tiny_model_dirs, REDIS_URL=redis_server.url)
+    client = make_client(port)
+    model = sorted(models_served(port))[0]
+    lines = [{"custom_id": f"tale-{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": model, "prompt": "Once upon a time", "max_tokens": MAX_TOKENS, "ignore_eos": True}}
+             for i in range(4)]  # ~100 steps of 0.08 s: running for ~8 s
+    upload = client.files.create(file=("tales.jsonl", io.BytesIO("".join(json.dumps(line) + "\n" for line in lines)
+                                                                 .encode())), purpose="batch")
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
+    give_up = time.monotonic() + 30
+    while (horse := batch_horse(tag)) is None or client.batches.retrieve(batch.id).status != "in_progress":
+        assert time.monotonic() < give_up, f"the batch never ran:\n{serve.output()[-4000:]}"
+        time.sleep(0.1)
+    assert client.batches.retrieve(batch.id).request_counts.completed == 0  # still running
+    serve.process.kill()
+    serve.wait()
+    # At once: the batch worker's parent-death signal, then the horse's. Without its own, the horse
+    # would go on retrying the dead API, backing off, until the batch's window (24 h) closed.
+    give_up = time.monotonic() + 5
+    while horse.is_running() and horse.status() != psutil.STATUS_ZOMBIE and time.monotonic() < give_up:
+        time.sleep(0.05)
+    assert not horse.is_running() or horse.status() == psutil.STATUS_ZOMBIE, "the batch's job process lived on"
+    assert_nothing_left(tag, port)
