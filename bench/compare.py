@@ -4,7 +4,7 @@ For each batch size this starts a private redis-server, the API and one worker w
 size, runs the crowds of bench.load against it, and stops them; then it prints each crowd's
 tokens/s as a ratio to the first batch size, and writes JSON and a chart of all runs.
 
-    python -m bench.compare --batches 1 16 64 --players 1 4 16 64 --out docs/serving
+    python -m bench.compare --batches 1 16 64 --players 1 4 16 64 --out docs/results/serving
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ table per scenario, every configuration side by side with its ratio to the first
 <out>.json and <out>-<scenario>.png. Machines are noisy: compare ratios from one run, not
 numbers from different runs; --repeats N reports each number as the median of N runs.
 
-    python -m bench.engines --out docs/engines
+    python -m bench.engines --out docs/results/engines
     python -m bench.engines --configs static continuous "cb32:ENGINE=continuous,BATCH=32"
     python -m bench.engines --configs static --scenarios uniform --smoke     # a quick check
 

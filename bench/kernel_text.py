@@ -6,7 +6,7 @@ For each variant and prompt: how many of the first N tokens it writes alike with
 before they part, and the share of stories that stay identical; then one player's decode step time.
 The variants (name=SETTING=VALUE,...; DTYPE picks the weights' type):
 
-    python -m bench.kernel_text --prompts 16 --tokens 100 --out docs/kernel_text
+    python -m bench.kernel_text --prompts 16 --tokens 100 --out docs/results/kernel_text
     python -m bench.kernel_text --variants "bf16=DTYPE=bfloat16" "int4 head=DTYPE=bfloat16,INT4_HEAD=1"
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ Fills the engine with B requests, lets them decode a few steps, then times steps
 and profiles a few with torch.profiler. Prints a table per batch size: step time, tokens/s, and
 the operators that took the most time; writes JSON.
 
-    python -m bench.profile_step --batches 1 16 64 --threads 2 --out docs/profile
+    python -m bench.profile_step --batches 1 16 64 --threads 2 --out docs/results/profile
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """What one request and one generated token cost Redis, measured, and what one Redis primary carries.
 
-    python -m bench.redis_cost --out docs/redis-cost                      # tiny model, then redis-benchmark
-    python -m bench.redis_cost --out docs/redis-cost --model smollm2 --part crowd   # adds SmolLM2's runs
+    python -m bench.redis_cost --out docs/results/redis-cost                      # tiny model, then redis-benchmark
+    python -m bench.redis_cost --out docs/results/redis-cost --model smollm2 --part crowd   # adds SmolLM2's runs
 
 1. Crowds. A private stack (bench.stack: redis-server, the API, one worker) serves a fixed crowd
    (--players × --requests completions of exactly T tokens, T from --tokens), whole and streamed.

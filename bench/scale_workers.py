@@ -1,7 +1,7 @@
 """Throughput with 1, 2 and 3 workers of one model, and where the limit is: Redis, the API or the CPUs.
 
-    python -m bench.scale_workers --out docs/scale-workers                     # the tiny model: 1, 2, 3
-    python -m bench.scale_workers --out docs/scale-workers --model smollm2 --workers 1 2
+    python -m bench.scale_workers --out docs/results/scale-workers                     # the tiny model: 1, 2, 3
+    python -m bench.scale_workers --out docs/results/scale-workers --model smollm2 --workers 1 2
 
 Each configuration gets a private stack (bench.stack: redis-server, the API, N workers of the model)
 and the same crowd (--players x --requests completions of exactly --tokens tokens). While the crowd

@@ -16,8 +16,10 @@ it. A worker that dies after streaming part of an answer, and a second one that 
 from the start, would show as a mismatch.
 
 Output (bench/soak_report.py): the tables printed, <out>.json, <out>.png, and the soak's section
-of <out>.md (docs/reliability.md by default). Exit status 1 when anything was lost or a stream's
-text was unlike its reference.
+of --page. By default the data goes to docs/results/ and the section into docs/reliability.md, the
+prose around it; with an --out of its own the page is <out>.md, beside the data, so a trial run
+leaves the documents alone. Exit status 1 when anything was lost or a stream's text was unlike its
+reference.
 """
 from __future__ import annotations
 
@@ -38,6 +40,8 @@ from bench.soak_client import ANSWERED, FAILED, LOST, Attempt, compare, send
 from bench.soak_report import passed, summarize, write
 
 PROGRESS_EVERY_S = 10
+# The results live apart from the prose that reads them (docs/results/, docs/reliability.md).
+OUT, PAGE = "docs/results/reliability", "docs/reliability.md"
 REFERENCE_THREADS = 16
 
 
@@ -67,10 +71,13 @@ def parse(argv) -> argparse.Namespace:
     ap.add_argument("--redis-down", type=float, default=2.0, help="seconds Redis stays down in its restart")
     ap.add_argument("--dtype", default="float32", help="the workers' dtype (float32: batch-invariant text)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="docs/reliability", help="writes <out>.json, <out>.png, <out>.md")
+    ap.add_argument("--out", default=OUT, help="writes <out>.json and <out>.png")
+    ap.add_argument("--page", help="the Markdown page whose soak section is rewritten (default: "
+                                   f"{PAGE} for the default --out, else <out>.md)")
     ap.add_argument("--logs", help="directory for the processes' logs (default: bench/results/soak-logs)")
     args = ap.parse_args(argv)
     args.client_timeout = args.client_timeout or args.request_timeout + 30
+    args.page = args.page or (PAGE if args.out == OUT else args.out + ".md")
     return args
 
 
@@ -175,8 +182,8 @@ def main(argv=None) -> int:
               "client_timeout": args.client_timeout, "redis_down_s": args.redis_down, "seed": args.seed}
     summary = summarize(attempts, [f.to_dict() for f in faults], config,
                         {**leftover, "fault_errors": runner.errors})
-    print("\n" + write(summary, Path(args.out)))
-    print(f"wrote {args.out}.json, {args.out}.png and the soak's section of {args.out}.md", flush=True)
+    print("\n" + write(summary, Path(args.out), Path(args.page)))
+    print(f"wrote {args.out}.json, {args.out}.png and the soak's section of {args.page}", flush=True)
     for error in runner.errors:
         print(f"fault not done as planned: {error}", file=sys.stderr)
     return 0 if passed(summary) and not runner.errors else 1

@@ -10,6 +10,7 @@ request really had), from sending to the last byte.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections import Counter
 from pathlib import Path
@@ -120,15 +121,16 @@ def markdown(summary: dict, chart_name: Optional[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(summary: dict, prefix: Path) -> str:
-    """<prefix>.json, <prefix>.png, and the soak's section of <prefix>.md (the rest of that file
-    is left as it is). Returns the Markdown section."""
+def write(summary: dict, prefix: Path, page: Optional[Path] = None) -> str:
+    """<prefix>.json, <prefix>.png, and the soak's section of page (<prefix>.md unless given; the
+    rest of that file is left as it is), its chart linked relative to the page. Returns the
+    Markdown section."""
     prefix.parent.mkdir(parents=True, exist_ok=True)
     prefix.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
     chart = prefix.with_suffix(".png")
     plot(summary, chart)
-    section = markdown(summary, chart.name)
-    page = prefix.with_suffix(".md")
+    page = page or prefix.with_suffix(".md")
+    section = markdown(summary, Path(os.path.relpath(chart, page.parent)).as_posix())
     text = page.read_text() if page.exists() else "# Reliability\n"
     block = f"{BEGIN}\n{section}{END}"
     if BEGIN in text and END in text:
