@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from worker.continuous import kernels
-from worker.continuous.linear import PACK_ROWS_HINT, fuse, pack_dense_panels
-from worker.continuous.weights import read_gguf
+from worker.continuous.linear import PACK_ROWS_HINT, pack_dense_panels
+from worker.continuous.weights import fuse, read_gguf
 from worker.model_loader import PACKAGED_FILE, packaged_model_dir
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)

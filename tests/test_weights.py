@@ -339,7 +339,8 @@ class _Kernels:
 
 
 def test_the_quantized_kernel_is_chosen_by_what_the_cpu_has_never_by_a_timing():
-    from worker.continuous.linear import EVERY_STEP, Linear, pick_kernel, quantize_q4_1
+    from worker.continuous.linear import EVERY_STEP, Linear, pick_kernel
+    from worker.continuous.weights import quantize_q4_1
     vnni, avx2, plain = _Kernels("panel_linear", "int8_linear", "quantized_linear"), \
         _Kernels("int8_linear", "quantized_linear"), _Kernels("quantized_linear")
     assert [pick_kernel("auto", k) for k in (vnni, avx2, plain, None)] == ["int8", "int8", "bytes", None]
@@ -354,7 +355,8 @@ def test_the_quantized_kernel_is_chosen_by_what_the_cpu_has_never_by_a_timing():
 
 
 def test_a_quantized_layer_run_at_every_step_keeps_no_dense_copy(kernel):
-    from worker.continuous.linear import EVERY_STEP, Linear, quantize_q4_1
+    from worker.continuous.linear import EVERY_STEP, Linear
+    from worker.continuous.weights import quantize_q4_1
     w = quantize_q4_1(torch.randn(64, 96))
     every = Linear(w, None, torch.float32, torch.device("cpu"), EVERY_STEP, kernel)
     bounded = Linear(w, None, torch.float32, torch.device("cpu"), 8, kernel)

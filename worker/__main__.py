@@ -17,7 +17,7 @@ from shared.redis_client import connect, explain, masked
 from shared.settings import Settings
 from worker import clock, metrics, model_loader
 from worker.continuous import engine as continuous
-from worker.continuous.linear import SMALL_KERNELS
+from worker.continuous.linear import check_small_kernel_name
 from worker.continuous.scheduler import POLICIES
 from worker.job_queue import JobQueue
 from worker.static_engine import StaticEngine
@@ -41,8 +41,10 @@ def check(settings: Settings) -> None:
         raise SystemExit(f"--engine {settings.engine!r}: expected continuous or static")
     if settings.scheduler not in POLICIES:
         raise SystemExit(f"--scheduler {settings.scheduler!r}: expected one of {', '.join(POLICIES)}")
-    if settings.small_kernel not in SMALL_KERNELS:
-        raise SystemExit(f"--small-kernel {settings.small_kernel!r}: expected one of {', '.join(SMALL_KERNELS)}")
+    try:
+        check_small_kernel_name(settings.small_kernel)
+    except ValueError as exc:
+        raise SystemExit(str(exc))
     if settings.int4_rows < -1:
         raise SystemExit("--int4-rows must be -1 (every step), 0 (never) or a number of tokens")
     for name in ("batch", "kv_blocks", "torch_threads", "step_fill"):

@@ -26,9 +26,8 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
-from worker.continuous.weights import Q41, Q80, Quantized
+from worker.continuous.weights import GROUP, Q41, Q80, Quantized
 
-GROUP = 32  # Q4_1 and Q8_0 blocks: one scale (and minimum) per 32 weights of a row
 PACK_ROWS_HINT = 64  # oneDNN blocks the packed weight for steps of about this many rows
 EVERY_STEP = -1  # --int4-rows: the quantized kernel at every step size (the default)
 SMALL_KERNELS = ("auto", "int8", "int4", "bytes", "dense")
@@ -160,35 +159,18 @@ def pick_kernel(name: str, kernel) -> Optional[str]:
     return None if name == "dense" else name
 
 
+def check_small_kernel_name(name: str) -> None:
+    """Refuses a --small-kernel that names no kernel (the worker asks at start, before loading anything)."""
+    if name not in SMALL_KERNELS:
+        raise ValueError(f"--small-kernel {name!r}: expected one of {', '.join(SMALL_KERNELS)}")
+
+
 def check_small_kernel(name: str, kernel) -> None:
     """Refuses a kernel this process cannot run (--small-kernel), with the reason."""
-    if name not in SMALL_KERNELS:
-        raise ValueError(f"--small-kernel {name!r}: one of {', '.join(SMALL_KERNELS)}")
+    check_small_kernel_name(name)
     needs = {"int8": ("int8_linear", "panel_linear"), "bytes": ("quantized_linear",)}.get(name, ())
     if needs and not any(hasattr(kernel, n) for n in needs):
         why = "the C++ kernels were not built" if kernel is None else "this CPU has neither AVX-512 VNNI nor AVX2"
         raise ValueError(f"--small-kernel {name}: unavailable here ({why})")
     if name == "int4" and not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
         raise ValueError("--small-kernel int4: this torch has no int4 kernel for the CPU")
-
-
-def fuse(parts: list) -> Union[torch.Tensor, Q41]:
-    """Weights stacked by output rows (QKV, gate and up): one matrix product instead of several."""
-    if all(isinstance(p, Q41) for p in parts):
-        return Q41.cat(parts)
-    return torch.cat([p.dequantize() if isinstance(p, (Q41, Q80)) else p for p in parts])
-
-
-def dense_float(weight: Union[torch.Tensor, Quantized]) -> torch.Tensor:
-    """A weight as a float32 matrix, dequantized if the file keeps it quantized."""
-    return weight.dequantize() if isinstance(weight, (Q41, Q80)) else weight.float()
-
-
-def quantize_q4_1(weight: torch.Tensor) -> Q41:
-    """Round a float matrix to Q4_1 (per 32 weights: a scale and a minimum), for the --int4-head flag."""
-    rows, cols = weight.shape
-    groups = weight.float().view(rows, cols // GROUP, GROUP)
-    low, high = groups.amin(-1), groups.amax(-1)
-    scale = ((high - low) / 15).clamp(min=1e-8)
-    q = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
-    return Q41(q=q.view(rows, cols), d=scale, m=low)

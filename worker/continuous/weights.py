@@ -3,7 +3,9 @@
 transformers can load the packaged SmolLM2 GGUF itself, but it dequantizes every block through numpy
 (about 17 s here) and throws the 4-bit form away. This module reads the same file in a fraction of a
 second and hands the Q4_1 and Q8_0 matrices over still quantized, so the model can run small steps
-on the file's own blocks (linear.py).
+on the file's own blocks (linear.py). The few transforms the models make before their layers take
+the weights live here too: projections stacked into one matrix (`fuse`), a weight made float
+(`dense_float`), a float head rounded to Q4_1 for --int4-head (`quantize_q4_1`).
 
 The header is parsed with transformers' own GGUF reader, which skips over the 98k tokenizer strings
 instead of building a numpy view per string the way `gguf.GGUFReader` does (2 s of its 2.2 s). The
@@ -162,6 +164,28 @@ def _chunked(parts: list[torch.Tensor], groups: int) -> torch.Tensor:
     per_group = [p.shape[1] // count for p in parts]
     pieces = [p[:, g * b:(g + groups) * b] for g in range(0, count, groups) for p, b in zip(parts, per_group)]
     return torch.cat(pieces, dim=1).contiguous()
+
+
+def fuse(parts: list) -> Union[torch.Tensor, Q41]:
+    """Weights stacked by output rows (QKV, gate and up): one matrix product instead of several."""
+    if all(isinstance(p, Q41) for p in parts):
+        return Q41.cat(parts)
+    return torch.cat([p.dequantize() if isinstance(p, (Q41, Q80)) else p for p in parts])
+
+
+def dense_float(weight: Union[torch.Tensor, Quantized]) -> torch.Tensor:
+    """A weight as a float32 matrix, dequantized if the file keeps it quantized."""
+    return weight.dequantize() if isinstance(weight, (Q41, Q80)) else weight.float()
+
+
+def quantize_q4_1(weight: torch.Tensor) -> Q41:
+    """Round a float matrix to Q4_1 (per 32 weights: a scale and a minimum), for the --int4-head flag."""
+    rows, cols = weight.shape
+    groups = weight.float().view(rows, cols // GROUP, GROUP)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scale = ((high - low) / 15).clamp(min=1e-8)
+    q = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
+    return Q41(q=q.view(rows, cols), d=scale, m=low)
 
 
 def read_gguf(path: str) -> tuple[transformers.PretrainedConfig, dict[str, torch.Tensor | Q41]]:

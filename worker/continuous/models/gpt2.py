@@ -10,7 +10,8 @@ from transformers.activations import ACT2FN
 
 from worker.continuous import attention
 from worker.continuous.attention import KVCache, StepLayout
-from worker.continuous.linear import EVERY_STEP, Linear, dense_float, quantize_q4_1
+from worker.continuous.linear import EVERY_STEP, Linear
+from worker.continuous.weights import dense_float, quantize_q4_1
 
 
 class GPT2:

@@ -17,7 +17,8 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, rotat
 
 from worker.continuous import attention
 from worker.continuous.attention import KVCache, StepLayout
-from worker.continuous.linear import EVERY_STEP, Linear, dense_float, fuse, quantize_q4_1
+from worker.continuous.linear import EVERY_STEP, Linear
+from worker.continuous.weights import dense_float, fuse, quantize_q4_1
 
 
 class Llama:
