@@ -186,14 +186,14 @@ class Settings:
         return _env_name({f.name: f for f in fields(Settings)}[name])
 
 
-# Settings only tests use: kept out of --help and of the README's table; the others are DOCUMENTED.
+# Settings only tests use: kept out of --help and of the settings table; the others are DOCUMENTED.
 TEST_ONLY = ("crash_on_prompt", "clock_skew_s", "step_delay_s")
 DOCUMENTED = [f.name for f in fields(Settings) if f.name not in TEST_ONLY]
 
 
 def shown_default(f, value) -> str:
-    """A setting's value as --help and the README show it: as the environment takes it (a yes/no as
-    1/0), a secret hidden, a URL's password masked, nothing as 'empty'."""
+    """A setting's value as --help and the settings table show it: as the environment takes it (a
+    yes/no as 1/0), a secret hidden, a URL's password masked, nothing as 'empty'."""
     if f.metadata.get("secret") and value:
         return "<hidden>"
     if isinstance(value, bool):
@@ -206,7 +206,7 @@ def shown_default(f, value) -> str:
 
 
 def settings_table(flags: Sequence[str]) -> str:
-    """The Markdown table of the named settings (env, flag, default, what), as the README shows it:
+    """The Markdown table of the named settings (env, flag, default, what), as docs/settings.md shows it:
     made from the same definitions as --help, so the two cannot disagree."""
     by_name = {f.name: f for f in fields(Settings)}
     defaults = Settings()
@@ -246,11 +246,13 @@ def _flag_name(f) -> str:
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
 
+# The table lives in docs/settings.md, between these markers; the README links to it.
+SETTINGS_PAGE = "docs/settings.md"
 README_START, README_END = "<!-- settings:start -->\n", "<!-- settings:end -->"
 
 
 def update_readme(path: str) -> None:
-    """Put the table between the README's markers, in place of the one there."""
+    """Put the table between the page's markers, in place of the one there."""
     with open(path) as f:
         text = f.read()
     start, end = text.index(README_START) + len(README_START), text.index(README_END)
@@ -258,12 +260,12 @@ def update_readme(path: str) -> None:
         f.write(text[:start] + settings_table(DOCUMENTED) + text[end:])
 
 
-if __name__ == "__main__":  # the README's table: printed, or written into the README
-    parser = argparse.ArgumentParser(description="The settings' table as the README shows it")
+if __name__ == "__main__":  # the settings table: printed, or written into its page
+    parser = argparse.ArgumentParser(description=f"The settings' table as {SETTINGS_PAGE} shows it")
     action = parser.add_mutually_exclusive_group(required=True)
     action.add_argument("--markdown", action="store_true", help="print it")
-    action.add_argument("--update-readme", metavar="README", help="write it between the markers of README "
-                                                                  "(README.md)")
+    action.add_argument("--update-readme", metavar="PAGE", nargs="?", const=SETTINGS_PAGE,
+                        help=f"write it between the markers of PAGE (default: {SETTINGS_PAGE})")
     args = parser.parse_args()
     if args.update_readme:
         update_readme(args.update_readme)

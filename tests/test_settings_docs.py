@@ -1,5 +1,5 @@
-"""The README's settings table and --help come from one source, the settings' own definitions
-(shared/settings.py), so they cannot disagree: the table in the README is the one
+"""The settings table (docs/settings.md, which the README links to) and --help come from one source,
+the settings' own definitions (shared/settings.py), so they cannot disagree: the table there is the one
 `python -m shared.settings --markdown` renders, and --help shows each default as the table does."""
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import sys
 from dataclasses import fields
 
 from shared.settings import DOCUMENTED, TEST_ONLY, Settings, settings_table
-from shared.settings import README_END as END, README_START as START
+from shared.settings import README_END as END, README_START as START, SETTINGS_PAGE
 from tests.processes import ROOT
 
 
 def readme_table() -> str:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / SETTINGS_PAGE).read_text()
     return text[text.index(START) + len(START):text.index(END)]
 
 
@@ -36,7 +36,7 @@ def table_rows(table: str) -> dict[str, list[str]]:
 
 def test_the_readme_table_is_the_rendered_one():
     assert readme_table() == settings_table(DOCUMENTED), \
-        "README.md's settings table is stale: run .venv/bin/python -m shared.settings --update-readme README.md"
+        f"{SETTINGS_PAGE}'s settings table is stale: run .venv/bin/python -m shared.settings --update-readme"
 
 
 def test_the_regeneration_command_prints_that_table():
