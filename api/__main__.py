@@ -37,7 +37,8 @@ class _Gunicorn(BaseApplication):
             # redis-py's sockets and the broker's threads and queues become cooperative) or a thread
             # (gthread): api_connections or threads is how many wait at once per process without
             # queueing at the socket. Either way, none holds a Redis connection while it waits.
-            "worker_class": s.api_worker_class,
+            # gevent: gunicorn's own worker, but for its quick stop's traceback (api/gevent_worker.py).
+            "worker_class": "api.gevent_worker.GeventWorker" if s.api_worker_class == "gevent" else s.api_worker_class,
             "worker_connections": s.api_connections,
             "threads": s.threads,
             "backlog": max(2048, s.api_connections),

@@ -15,6 +15,7 @@ import threading
 import time
 import urllib.request
 
+import http.client
 import io
 import json
 
@@ -24,7 +25,7 @@ import psutil
 import pytest
 import redis
 
-from serve import free_port
+from serve import free_port, port_is_free
 from shared import keys
 from tests.processes import ROOT, _env, make_client, models_served
 from tests.test_serve import Serve, assert_nothing_left, cmdline, tag, tagged  # noqa: F401 (tag: a fixture)
@@ -125,6 +126,7 @@ def test_ctrl_c_to_the_group_drains_a_running_stream(tmp_path, tag, tiny_model_d
     assert outcome["at"] < ended
     assert serve.wait() == 0, serve.output()[-4000:]
     assert "serve.py:" not in serve.err.read_text()
+    assert "Traceback" not in serve.output(), serve.output()[-4000:]  # from none of the children either
     assert group_members(pgid) == []
     assert_nothing_left(tag, port, redis_port)
 
@@ -245,4 +247,40 @@ def test_a_running_batch_dies_with_serve_py(tmp_path, tag, tiny_model_dirs, real
     while horse.is_running() and horse.status() != psutil.STATUS_ZOMBIE and time.monotonic() < give_up:
         time.sleep(0.05)
     assert not horse.is_running() or horse.status() == psutil.STATUS_ZOMBIE, "the batch's job process lived on"
+    assert_nothing_left(tag, port)
+
+
+@pytest.mark.parametrize("open_connection", [False, True], ids=["idle", "a-connection-open"])
+def test_ctrl_c_stops_the_api_alone_without_a_traceback(tmp_path, tag, redis_server, open_connection):  # noqa: F811
+    """`python -m api` in a terminal, Ctrl-C: gunicorn's quick stop, at once and without a traceback
+    (gunicorn's gevent worker raised SystemExit in a greenlet, which gevent printed: api/gevent_worker.py).
+    With a keep-alive connection open, the worker is still serving when it is told to quit."""
+    port = free_port()
+    out = tmp_path / "api.out"
+    with open(out, "wb") as log:
+        api = subprocess.Popen([sys.executable, "-m", "api", "--port", str(port), "--redis-url", redis_server.url],
+                               cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                               env=_env(STORYTELLER_TEST_TAG=tag))
+    give_up = time.monotonic() + 60
+    while "Booting worker" not in out.read_text() or port_is_free("127.0.0.1", port):
+        assert api.poll() is None and time.monotonic() < give_up, out.read_text()
+        time.sleep(0.1)
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    for _ in range(100):  # the worker may still be loading the app: its first answer says it serves
+        try:
+            connection.request("GET", "/health")
+            connection.getresponse().read()
+            break
+        except OSError:
+            connection.close()
+            time.sleep(0.1)
+    if not open_connection:
+        connection.close()
+    began = time.monotonic()
+    os.killpg(api.pid, signal.SIGINT)
+    assert api.wait(20) == 0, out.read_text()
+    assert time.monotonic() - began < 5, "Ctrl-C did not stop the API at once"
+    connection.close()
+    assert "Traceback" not in out.read_text(), out.read_text()
+    assert "failed with SystemExit" not in out.read_text(), out.read_text()
     assert_nothing_left(tag, port)
