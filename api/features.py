@@ -9,26 +9,17 @@ from __future__ import annotations
 
 from api.errors import bad_request
 from api.validation import CompletionRequest
-from shared.protocol import (FEATURE_GRAMMAR, FEATURE_LOGPROBS, FEATURE_PENALTIES, FEATURE_PROMPT_LOGPROBS,
-                             SamplingParams, WorkerInfo)
-
-# The SamplingParams fields that FEATURE_PENALTIES covers, in the order a refusal names them.
-_PENALTY_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias",
-                   "stop_token_ids", "min_tokens")
-_OFF = SamplingParams()
+from shared.protocol import FEATURE_GRAMMAR, FEATURE_PROMPT_LOGPROBS, WorkerInfo, features_needed
 
 
 def required_features(req: CompletionRequest) -> dict[str, str]:
-    """Each feature the request needs -> the request field that asks for it (the first, if several)."""
-    needed: dict[str, str] = {}
-    params = req.params
-    asked = [name for name in _PENALTY_FIELDS if getattr(params, name) != getattr(_OFF, name)]
-    if asked:
-        needed[FEATURE_PENALTIES] = asked[0]
-    if params.logprobs is not None:
-        needed[FEATURE_LOGPROBS] = "logprobs"
-    if params.prompt_logprobs is not None:
-        needed[FEATURE_PROMPT_LOGPROBS] = "echo"
+    """Each feature the request needs -> the request field that asks for it (the first, if several):
+    shared/protocol.PARAM_FEATURES' field, named as the request names it."""
+    needed = features_needed(req.params)
+    if FEATURE_PROMPT_LOGPROBS in needed:
+        needed[FEATURE_PROMPT_LOGPROBS] = "echo"  # echo with logprobs asks for the prompt's
+    # A grammar comes from one of three request fields (its hash is set in params once compiled).
+    needed.pop(FEATURE_GRAMMAR, None)
     if req.response_format is not None:  # json_object or json_schema ({"type": "text"} is None)
         needed[FEATURE_GRAMMAR] = "response_format"
     elif req.structured_outputs is not None:

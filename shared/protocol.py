@@ -50,6 +50,14 @@ FEATURE_LOGPROBS = "logprobs"  # logprobs of written tokens
 FEATURE_PROMPT_LOGPROBS = "prompt_logprobs"  # and of the prompt's (echo with logprobs)
 FEATURE_GRAMMAR = "grammar"  # structured output: a grammar's mask on every pick
 FEATURES = (FEATURE_PENALTIES, FEATURE_LOGPROBS, FEATURE_PROMPT_LOGPROBS, FEATURE_GRAMMAR)
+# The one table of which SamplingParams field needs which feature, in the order a refusal names them;
+# the fields not here (max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos) are plain
+# sampling, which every engine honours.
+PARAM_FEATURES = {"presence_penalty": FEATURE_PENALTIES, "frequency_penalty": FEATURE_PENALTIES,
+                  "repetition_penalty": FEATURE_PENALTIES, "min_p": FEATURE_PENALTIES,
+                  "logit_bias": FEATURE_PENALTIES, "stop_token_ids": FEATURE_PENALTIES,
+                  "min_tokens": FEATURE_PENALTIES, "logprobs": FEATURE_LOGPROBS,
+                  "prompt_logprobs": FEATURE_PROMPT_LOGPROBS, "grammar": FEATURE_GRAMMAR}
 _PARAM_DEFAULTS = {f.name: (f.default_factory() if f.default_factory is not MISSING else f.default)
                    for f in fields(SamplingParams)}
 
@@ -58,6 +66,15 @@ def params_json(params: SamplingParams) -> dict:
     """The fields of `params` away from their defaults (max_tokens always): what a job carries."""
     return {name: value for name, value in asdict(params).items()
             if name == "max_tokens" or value != _PARAM_DEFAULTS[name]}
+
+
+def features_needed(params: SamplingParams) -> dict[str, str]:
+    """Each feature `params` needs -> the first field that asks for it (PARAM_FEATURES' order)."""
+    needed: dict[str, str] = {}
+    for name, feature in PARAM_FEATURES.items():
+        if getattr(params, name) != _PARAM_DEFAULTS[name]:
+            needed.setdefault(feature, name)
+    return needed
 
 
 # Priority, as vLLM's: lower is served first; a worker takes from the most urgent non-empty queue.

@@ -8,6 +8,7 @@ the official openai client against a real stack (tests/test_integration.py's).
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import logging
@@ -24,12 +25,13 @@ from api.features import check_features, required_features
 from api.openapi import document
 from api.validation import CHAT_FIELDS, COMPLETION_FIELDS, parse_chat, parse_completion
 from shared import keys
-from shared.protocol import (FEATURE_GRAMMAR, FEATURE_LOGPROBS, FEATURE_PENALTIES, FEATURE_PROMPT_LOGPROBS,
-                             FEATURES, WorkerInfo, params_json)
+from shared.protocol import (FEATURE_GRAMMAR, FEATURE_LOGPROBS, FEATURE_PENALTIES, FEATURE_PROMPT_LOGPROBS, FEATURES,
+                             PARAM_FEATURES, SamplingParams, WorkerInfo, features_needed, params_json)
 from shared.settings import Settings
 from tests.processes import models_served, start, stop, wait_until
 from tests.test_api_errors import MODEL, _answer_in_background, _error, _register_worker, _seen_jobs
 from tests.test_integration import client, stack  # noqa: F401 (a real stack's fixtures, reused)
+from worker.static_engine import unsupported_params
 
 CHAT = [{"role": "user", "content": "A dragon?"}]
 COMPLETIONS, CHATS = "/v1/completions", "/v1/chat/completions"
@@ -334,6 +336,19 @@ def test_plain_requests_need_no_feature():
                 parse_chat(_body(CHATS, **NO_OPS[CHATS])), parse_chat(_body(CHATS, tools=tools, tool_choice="none"))):
         assert required_features(req) == {}
         check_features(req, [_worker("w1", [])])
+
+
+def test_one_table_says_which_sampling_field_needs_which_feature():
+    """shared/protocol.PARAM_FEATURES is read by the API (which feature to ask the workers for) and by
+    the static engine (what it refuses): every field is either in it or plain sampling."""
+    plain = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos"}
+    names = [f.name for f in dataclasses.fields(SamplingParams)]
+    assert set(PARAM_FEATURES) == set(names) - plain and set(PARAM_FEATURES.values()) == set(FEATURES)
+    assert features_needed(SamplingParams(temperature=0, top_k=5, stop=["x"], seed=1)) == {}
+    params = SamplingParams(min_p=0.1, presence_penalty=0.5, logprobs=0, grammar="ab")
+    assert features_needed(params) == {FEATURE_PENALTIES: "presence_penalty", FEATURE_LOGPROBS: "logprobs",
+                                       FEATURE_GRAMMAR: "grammar"}
+    assert unsupported_params(params) == ["presence_penalty", "min_p", "logprobs", "grammar"]
 
 
 def _worker(worker_id: str, features) -> WorkerInfo:

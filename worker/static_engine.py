@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from transformers import DynamicCache
 
-from shared.protocol import Job, params_json
+from shared.protocol import PARAM_FEATURES, Job, params_json
 from worker.model_loader import LoadedModel
 from worker.sampling import sample
 from worker.sequence import Sequence
@@ -66,12 +66,9 @@ def resumable(written: Optional[list[int]], job: Job, loaded: LoadedModel) -> Op
 
 
 def unsupported_params(params) -> list[str]:
-    """The parameters a job sets that only the continuous engine honours."""
-    return [name for name in params_json(params) if name not in PLAIN_PARAMS]
-
-
-# What the static engine honours: the plain sampling parameters.
-PLAIN_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
+    """The parameters a job sets that only the continuous engine honours: the static engine honours
+    plain sampling only (no field of shared/protocol.PARAM_FEATURES)."""
+    return [name for name in params_json(params) if name in PARAM_FEATURES]
 
 
 class StaticEngine:
