@@ -193,8 +193,9 @@ def preflight_warnings(settings: Settings) -> list[str]:
     warnings = []
     if settings.device != "cuda" and not (shutil.which("c++") or shutil.which("g++")):
         warnings.append("no C++ compiler (c++ or g++) on PATH: the workers run without their C++ kernels "
-                        "(the int8 quantized product, attention, the decode step, the sampler), so decoding "
-                        "is slower and a request's text may depend on the crowd; apt-get install g++")
+                        "(the int8 quantized product, attention, the decode step, the sampler): 0.57-0.78x the "
+                        "tokens/s measured on 2 cores, and a request's text may depend on the crowd; "
+                        "apt-get install g++")
     return warnings
 
 
