@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from shared import metrics as names
 from shared.protocol import Job
 from worker import clock
-from worker.engine import Engine
+from worker.engine_protocol import Engine
 from worker.sequence import Sequence
 
 log = logging.getLogger(__name__)

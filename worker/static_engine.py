@@ -7,18 +7,16 @@ the whole batch is done; that is what a continuous engine adds.
 """
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import torch
 from transformers import DynamicCache
 
 from shared.protocol import PARAM_FEATURES, Job, params_json
+from worker.engine_protocol import check_prompt, resumable
 from worker.model_loader import LoadedModel
 from worker.sampling import sample
 from worker.sequence import Sequence
-
-log = logging.getLogger(__name__)
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,34 +33,6 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
 def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
     """Each token's position among its row's real tokens; pads get 0 (they are masked anyway)."""
     return (mask.cumsum(dim=-1) - 1).clamp(min=0)
-
-
-def check_prompt(prompt: list[int], loaded: LoadedModel) -> None:
-    """Refuse a job the model cannot run, before it joins a batch it would break."""
-    if not prompt or len(prompt) >= loaded.context_window:
-        raise ValueError(f"the prompt has {len(prompt)} tokens; the model takes 1 to "
-                         f"{loaded.context_window - 1}")
-    if min(prompt) < 0 or max(prompt) >= loaded.vocab_size:
-        raise ValueError(f"token ids must be in [0, {loaded.vocab_size})")
-
-
-def resumable(written: Optional[list[int]], job: Job, loaded: LoadedModel) -> Optional[list[int]]:
-    """The tokens an earlier attempt at the job wrote, if this model can continue from them; None
-    if there are none, or (with a warning) if they cannot be this job's: the job starts again."""
-    if not written:
-        return None
-    if job.params.logprobs is not None or job.params.prompt_logprobs is not None:
-        # The earlier attempt's logprobs died with it: written again from the start, the same
-        # tokens (greedy or seeded) with their logprobs; the API skips what its client already had.
-        log.info("job %s asks for logprobs: writing it again from the start rather than resuming after "
-                 "its %d written token(s)", job.id, len(written))
-        return None
-    if len(written) > job.params.max_tokens or min(written) < 0 or max(written) >= loaded.vocab_size:
-        log.warning("job %s: ignoring its record of %d written token(s), which cannot be its own (over its "
-                    "max_tokens %d, or ids outside the vocabulary): writing it from the start", job.id,
-                    len(written), job.params.max_tokens)
-        return None
-    return written
 
 
 def unsupported_params(params) -> list[str]:

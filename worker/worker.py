@@ -17,7 +17,7 @@ import redis
 from shared.protocol import WorkerInfo
 from shared.settings import Settings
 from worker import clock
-from worker.engine import Engine
+from worker.engine_protocol import Engine
 from worker.job_queue import LOST, JobQueue
 from worker.metrics import WorkerMetrics
 from worker.sequence import Sequence

@@ -22,7 +22,7 @@ from worker.continuous.request import Request, Status
 from worker.continuous.scheduler import Scheduler
 from worker.model_loader import LoadedModel
 from worker.sequence import Sequence
-from worker.static_engine import check_prompt, resumable
+from worker.engine_protocol import check_prompt, resumable
 
 log = logging.getLogger(__name__)
 

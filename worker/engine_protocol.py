@@ -1,4 +1,5 @@
-"""What the worker's queue loop needs from an engine: tensors in, tokens out, nothing about Redis.
+"""What the worker's queue loop needs from an engine (tensors in, tokens out, nothing about Redis),
+and the checks every engine makes of a job before it runs it (check_prompt, resumable).
 
 The loop asks `free_slots()`, hands over that many jobs with `add()`, then calls `step()` until
 `busy` is false. A static engine offers slots only when idle; a continuous one offers them every
@@ -7,10 +8,14 @@ finished (`Sequence.cancel`); the engine drops it at the next step.
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional, Protocol
 
 from shared.protocol import Job
+from worker.model_loader import LoadedModel
 from worker.sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 
 class Engine(Protocol):
@@ -51,3 +56,31 @@ class Engine(Protocol):
         `generated` (tokens, since start); a paged cache adds `kv_usage` (0-1), `preempted` and
         `prefix_hit_blocks` (since start)."""
         ...
+
+
+def check_prompt(prompt: list[int], loaded: LoadedModel) -> None:
+    """Refuse a job the model cannot run, before it joins a batch it would break."""
+    if not prompt or len(prompt) >= loaded.context_window:
+        raise ValueError(f"the prompt has {len(prompt)} tokens; the model takes 1 to "
+                         f"{loaded.context_window - 1}")
+    if min(prompt) < 0 or max(prompt) >= loaded.vocab_size:
+        raise ValueError(f"token ids must be in [0, {loaded.vocab_size})")
+
+
+def resumable(written: Optional[list[int]], job: Job, loaded: LoadedModel) -> Optional[list[int]]:
+    """The tokens an earlier attempt at the job wrote, if this model can continue from them; None
+    if there are none, or (with a warning) if they cannot be this job's: the job starts again."""
+    if not written:
+        return None
+    if job.params.logprobs is not None or job.params.prompt_logprobs is not None:
+        # The earlier attempt's logprobs died with it: written again from the start, the same
+        # tokens (greedy or seeded) with their logprobs; the API skips what its client already had.
+        log.info("job %s asks for logprobs: writing it again from the start rather than resuming after "
+                 "its %d written token(s)", job.id, len(written))
+        return None
+    if len(written) > job.params.max_tokens or min(written) < 0 or max(written) >= loaded.vocab_size:
+        log.warning("job %s: ignoring its record of %d written token(s), which cannot be its own (over its "
+                    "max_tokens %d, or ids outside the vocabulary): writing it from the start", job.id,
+                    len(written), job.params.max_tokens)
+        return None
+    return written
