@@ -3,12 +3,13 @@
 The cache of one layer is a tensor [kv_heads, blocks, block_size, head_dim]: heads first, so
 that gathering a batch's blocks with one `index_select` gives each KV head a contiguous
 [rows, length, head_dim] block, ready for batched matrix products without another copy; and
-whole blocks, because gathering 2 KB blocks measured ~3x faster than gathering 128-byte slots.
+whole blocks, because gathering a few large blocks is faster than gathering many small slots
+(measured: docs/serving.md, "Measurements behind the engine's choices").
 
 Decodes (one query token each) are done together by a small C++ kernel (kernels.py) that reads
 each row's keys and values in place through its block table. Without it, in torch: the rows'
 blocks are gathered, then two batched matmuls with the query heads that share a KV head stacked
-as rows (torch's fused CPU attention measured about twice as slow for one-token queries). A
+as rows (torch's fused CPU attention was slower for one-token queries). A
 row's context is padded to the longest in the batch with its own first block (real data, never
 uninitialised memory) and masked off. Prefill chunks (a few per
 step at most) each go through torch's fused attention with a causal mask offset by what the
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 
-SMALL_DECODE_ROWS = 4  # up to this many decode rows, attention runs in float32 (faster here)
+SMALL_DECODE_ROWS = 4  # up to this many decode rows, attention runs in float32 (it measured faster)
 
 
 class KVCache:
@@ -86,7 +87,7 @@ def _decode(q, k_cache, v_cache, step: StepLayout, scale: float) -> torch.Tensor
     v = v_cache.index_select(1, blocks).view(kv_heads, rows, longest, dim)
     q = q.reshape(rows, kv_heads, group, dim).transpose(0, 1)  # [kv_heads, rows, group, dim]
     dtype = q.dtype
-    if rows <= SMALL_DECODE_ROWS:  # bf16 batched matmuls carry ~50 us of fixed cost each here
+    if rows <= SMALL_DECODE_ROWS:  # bf16 batched matmuls carry a fixed cost each, large at few rows
         q, k, v = q.float(), k.float(), v.float()
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [kv_heads, rows, group, longest]
     padded = torch.arange(longest, device=q.device)[None, :] >= step.decode_lengths[:, None]

@@ -1,18 +1,31 @@
-"""The engine's C++ kernels (csrc/): decode attention over the paged cache (attention.h), the
-products (panels.h and dense_panels.h at every step, int8.h and quantized.h for the GGUF's blocks),
-what keeps a row's bits its own (rowwise.h), the sampler (sampling.h) and a whole Llama decode step
-(kernels.cpp, which includes them all), built once by torch and cached on disk.
+"""The engine's C++ kernels (csrc/), one extension module built once by torch and cached on disk.
 
-Built with the compiler torch's extensions use (g++ and ninja): ~35-60 s on 2 cores, once per
-build key, logged before it starts; later starts load the cached library in well under a second.
+kernels.cpp includes every header and binds what this CPU can run:
+- attention.h: decode attention, each row reading its keys and values in place through its block
+  table (`paged_decode`);
+- the linear layers' products (linear.py picks one per layer): panels.h, the GGUF's Q4_1 and Q8_0
+  bytes against 8-bit activations, 16 output features a vector (`panel_linear`, AVX-512 VNNI);
+  dense_panels.h, a dense weight in panels summed over k in order (`dense_panel_linear`, AVX-512;
+  bf16 with AVX-512 BF16); int8.h, the same rounding with a weight row's groups along the lanes
+  (`int8_linear`, AVX-512 VNNI or AVX2); quantized.h, the blocks turned to floats (`quantized_linear`,
+  any CPU);
+- sampling.h: a token per row (`sample_rows`) and the grammar masks applied in place (`mask_rows`);
+- the Llama decoder (`LlamaDecoder`, in kernels.cpp): every layer of a step whose tokens are rows
+  of it, decodes and prompt tokens alike, norms, rotary, cache writes and the layers' products
+  (`Linear`) in one call without the GIL;
+- rowwise.h, included by the others: each row's work a function of its own on aligned scratch, so
+  that a row's bits do not depend on the rest of its step (tests/test_invariance.py).
+
+Built with the compiler torch's extensions use (g++ and ninja): under a minute on 2 cores, once
+per build key, logged before it starts; later starts load the cached library in well under a second.
 The key (`build_id`) is a hash of everything the library's bits depend on: the sources and headers,
 the build flags, the compiler (its path and `--version`), torch's version and C++ ABI, Python's
 version and what `-march=native` means on this CPU. The same hash is part of a worker's numerics
 fingerprint. Each key builds in a directory of its own under the cache (`<build_id>-<where>`, the
 second part a hash of the paths torch writes into the build file: this checkout's sources, torch's
 and Python's headers, so two checkouts never rewrite each other's build and rebuild), and only
-the few most recently used builds are kept. Where it cannot be built, the engine runs attention in
-torch instead and says so once.
+the few most recently used builds are kept. Where it cannot be built, the engine runs all of this
+in torch instead and says so once; a request's text may then depend on what else shares its step.
 """
 from __future__ import annotations
 
@@ -33,8 +46,9 @@ log = logging.getLogger(__name__)
 SOURCES = os.path.join(os.path.dirname(__file__), "csrc")
 NAME = "storyteller_kernels"  # the module's name; each key's directory has its own copy
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
-# A build takes ~35-60 s here (minutes on a busy machine). torch's build lock is a bare file that a
-# killed build leaves behind, and torch waits on it forever: older than this, it is a dead one's.
+# A build takes about a minute, more on a busy machine (docs/serving.md, "Measurements behind the
+# engine's choices"). torch's build lock is a bare file that a killed build leaves behind, and
+# torch waits on it forever: older than this, it is a dead one's.
 STALE_LOCK_S = 180
 KEEP = 3  # builds kept in the cache, the most recently used ones (the one in use among them)
 # A build used (or begun) this recently is left alone whatever its rank: another process may be
@@ -93,8 +107,8 @@ def build(cache_dir: str = "") -> Optional[object]:
         if built is None or _mtime(library) != built:  # or a rebuild ninja chose (torch's headers changed)
             log.info("built the C++ kernels in %.0f s", time.monotonic() - start)
     except Exception as exc:  # no compiler, no ninja, a read-only cache: torch's path still works
-        log.warning("C++ kernels unavailable (%s): attention, the int8 and quantized products, the "
-                    "decode step and the sampler run in torch instead (slower)", exc)
+        log.warning("C++ kernels unavailable (%s): decode attention, the quantized and panel products, "
+                    "the Llama decoder, the sampler and the grammar masks run in torch instead (slower)", exc)
         return None
     if cache_dir:
         try:

@@ -5,8 +5,9 @@ One numeric path whatever the step holds is what makes a request's text its own 
 So the quantized kernel picked here runs every step, from a lone decode to a 512-token prompt chunk;
 it is chosen by what this CPU has, never by a timing (two workers of one pool, or one worker
 started twice, compute the same bits). On AVX-512 VNNI CPUs that kernel (csrc/panels.h: the file's
-Q4_1 and Q8_0 bytes against 8-bit activations, 16 output features a vector) was also the fastest
-at every row count measured here, 1 to 512 (bench/row_kernels.py), ahead of oneDNN's bf16 product.
+Q4_1 and Q8_0 bytes against 8-bit activations, 16 output features a vector) also measured the
+fastest at every row count, ahead of oneDNN's bf16 product (bench/row_kernels.py; docs/serving.md,
+"Measurements behind the engine's choices").
 
 The other kernels stay as settings (--small-kernel): "int8" on AVX2 (csrc/int8.h, the same
 rounding, a weight row's groups along the lanes), "bytes" (csrc/quantized.h, the weights turned to
@@ -16,8 +17,8 @@ the quantized kernel to steps of up to N tokens, with the dense product beyond: 
 whose dense product wins at many rows (AMX), at the cost of invariance; logged at start.
 
 On the CPU in bf16 a dense weight is stored pre-packed in oneDNN's blocked layout, the same
-kernel that torch.compile's freezing pass uses: measured 1.1-2x faster than F.linear on the same
-weight, with no compile step. Float32 keeps F.linear.
+kernel that torch.compile's freezing pass uses: faster than F.linear on the same weight, with no
+compile step. Float32 keeps F.linear.
 """
 from __future__ import annotations
 

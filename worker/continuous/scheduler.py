@@ -4,12 +4,12 @@ Every step has a budget of `max_batch_tokens`. A decoding request costs one toke
 costs its length, so a long one is split into chunks across steps and the others keep decoding
 between them. While anyone is decoding, prompts get a share of the step that grows with the
 number of decodes (a prompt token per decode, at least 16, and enough to fill the step to
-`step_fill` tokens as far as the pacer's timing allows, at most `prefill_chunk`; fifo): a step's
-time grows with its tokens past a point (below it, reading the weights costs the same whatever the
-rows), and measured here a 500-token chunk held every stream for ~0.5 s; beside 16 streams,
-64-token chunks of a 2,000-token prompt made their gaps 3.7x longer, 32-token chunks 2.4x (the
-chunk's attention over its long context is most of that cost). New requests are admitted only when
-the cache has room for their prompt plus a margin, so that running requests can still grow. When it has not (the pool ran out while
+`step_fill` tokens as far as the pacer's timing allows, at most `prefill_chunk`; fifo): past a
+point a step's time grows with its tokens (below it, reading the weights costs the same whatever
+the rows), so a whole prompt in one step would hold every stream beside it, and a chunk's attention
+over a long context is most of that cost (measured: docs/serving.md, "Measurements behind the
+engine's choices"). New requests are admitted only when the cache has room for their prompt plus a
+margin, so that running requests can still grow. When it has not (the pool ran out while
 decoding), the newest running request is set back: its blocks are freed and it waits, first in
 line, to be prefilled again with what it wrote so far. The last running request is never set back.
 
@@ -31,9 +31,9 @@ MIN_PROMPT_SHARE = 16
 
 
 # A prompt fills the step (step_fill) with chunks of at most FILL_ATTENTION / (the context they
-# read) tokens: a chunk's attention grows with that context, and a 2,000-token prompt's late 48-token
-# chunks (layer by layer, torch's attention) made the streams beside it wait 2.7x their usual gap,
-# against 1.5x with 16-token chunks. 32,768: 64 tokens up to a context of 512, 16 at 2,048.
+# read) tokens: a chunk's attention grows with that context, so a long prompt's late chunks, kept
+# as large as its early ones, made the streams beside them wait far longer than small ones did
+# (measured: docs/serving.md). 32,768: 64 tokens up to a context of 512, 16 at 2,048.
 FILL_ATTENTION = 32768
 
 

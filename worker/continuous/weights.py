@@ -1,17 +1,18 @@
 """Read a llama-architecture GGUF file into Hugging Face-named tensors, keeping Q4_1 weights quantized.
 
-transformers can load the packaged SmolLM2 GGUF itself, but it dequantizes every block through numpy
-(about 17 s here) and throws the 4-bit form away. This module reads the same file in a fraction of a
+transformers can load the packaged SmolLM2 GGUF itself, but it dequantizes every block through numpy,
+slowly, and throws the 4-bit form away. This module reads the same file in a fraction of a
 second and hands the Q4_1 and Q8_0 matrices over still quantized, so the model can run small steps
 on the file's own blocks (linear.py). The few transforms the models make before their layers take
 the weights live here too: projections stacked into one matrix (`fuse`), a weight made float
 (`dense_float`), a float head rounded to Q4_1 for --int4-head (`quantize_q4_1`).
 
 The header is parsed with transformers' own GGUF reader, which skips over the 98k tokenizer strings
-instead of building a numpy view per string the way `gguf.GGUFReader` does (2 s of its 2.2 s). The
+instead of building a numpy view per string the way `gguf.GGUFReader` does (most of its time). The
 config is built from the metadata with the same key mapping transformers' GGUF loader uses, so it
 equals what `AutoConfig.from_pretrained(directory, gguf_file=...)` returns (tests/test_weights.py
-checks it).
+checks it). The timings behind these choices: docs/serving.md, "Measurements behind the engine's
+choices".
 """
 from __future__ import annotations
 
@@ -207,8 +208,8 @@ def read_gguf(path: str) -> tuple[transformers.PretrainedConfig, dict[str, torch
     k_rows = _unpermute_rope_rows(config.num_key_value_heads, config.head_dim)
 
     # The decoding is numpy's, single-threaded on purpose: torch's thread pool spends most of its time
-    # waiting at barriers when other processes want the same cores (8 s instead of 0.25 s on two
-    # busy cores), and this is hundreds of small operations.
+    # waiting at barriers when other processes want the same cores (many times slower on two busy
+    # cores), and this is hundreds of small operations.
     tensors = {}
     for info in header.tensors:
         name = _hf_name(info.name)
@@ -226,7 +227,7 @@ def _config(metadata: dict, tensor_names: tuple[str, ...]) -> transformers.Pretr
     """The config transformers' GGUF loader builds, from the metadata alone.
 
     `AutoConfig.from_pretrained(directory, gguf_file=...)` gets there through `gguf.GGUFReader`, which
-    takes 2 s on this file; this is the same key mapping applied to the cheaply read metadata.
+    is slow on this file; this is the same key mapping applied to the cheaply read metadata.
     """
     architecture = metadata["general.architecture"]
     values = {}

@@ -94,7 +94,7 @@ class Llama:
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 step: StepLayout) -> torch.Tensor:
-        x = self.embed.index_select(0, ids)  # not F.embedding: measured ~4.7 ms at 64 ids in bf16 here
+        x = self.embed.index_select(0, ids)  # not F.embedding: it measured slower (docs/serving.md)
         if not step.chunks and step.kernel is not None and self._fused(step.kernel) is not None:
             return self.decoder.forward(x, positions, self.cos, self.sin, cache.k, cache.v, step.slots,
                                         step.decode_tables, step.decode_lengths, self.scale)
