@@ -54,7 +54,9 @@ def test_each_number_of_decodes_has_its_own_pace_and_unknown_pace_leaves_the_mos
     assert pacer.allowed(16) < 48 and pacer.allowed(31) == pacer.allowed(16)  # one power of two
     assert pacer.allowed(2) == 48
     pacer.observe(2, 48, 1.0)  # no decode-only step at 2 decodes yet: nothing to compare with
-    assert pacer.allowed(2) == 48 and pacer.stretch(2, 1.0) is None
+    assert pacer.allowed(2) == 48
+    pacer.observe(2, 48, 100.0)  # nor did that step become their pace: one 100x it would cut the share
+    assert pacer.allowed(2) == 48
 
 
 @pytest.mark.parametrize("bad", [dict(decodes=0), dict(seconds=0.0)])

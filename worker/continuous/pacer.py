@@ -12,8 +12,6 @@ under it. The scheduler still gives prompts a floor beside decodes, so they alwa
 """
 from __future__ import annotations
 
-from typing import Optional
-
 SMOOTHING = 0.25  # weight of the newest decode-only step in the streams' pace
 
 
@@ -50,8 +48,3 @@ class Pacer:
         else:
             allowed = (allowed + min(target, self.most)) / 2  # room left: halfway toward it
         self._allowed[key] = max(0, min(self.most, round(allowed)))
-
-    def stretch(self, decodes: int, seconds: float) -> Optional[float]:
-        """How many times the decodes' own step time `seconds` is, if that is known."""
-        alone = self._alone.get(decodes.bit_length())
-        return None if alone is None else seconds / alone
