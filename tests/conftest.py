@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny model directories, fakeredis for unit tests, a private redis-server."""
+"""Shared fixtures: tiny models (their directories, and loaded in process), fakeredis for unit tests,
+a private redis-server."""
 from __future__ import annotations
 
 import shutil
@@ -19,6 +20,22 @@ from tests.tiny_models import save_tiny
 def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("models")
     return {kind: save_tiny(kind, str(root / f"tiny-{kind}")) for kind in ("gpt2", "llama")}
+
+
+# Module-scoped, as in the modules they came from: no module's engines share a loaded model with
+# another module's.
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def loaded(request, tiny_model_dirs):
+    """Each tiny model in turn, loaded in float32 on the CPU: a test runs once on each family."""
+    from worker.model_loader import load
+    return load(tiny_model_dirs[request.param], dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_model_dirs):
+    """The tiny Llama alone, loaded in float32 on the CPU."""
+    from worker.model_loader import load
+    return load(tiny_model_dirs["llama"], dtype="float32", device="cpu")
 
 
 @pytest.fixture(scope="session")

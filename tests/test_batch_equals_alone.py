@@ -8,6 +8,7 @@ import torch
 from shared.protocol import Job, SamplingParams
 from worker import static_engine
 from worker.model_loader import load
+from tests.engines import write
 from worker.static_engine import StaticEngine
 
 PROMPT_LENGTHS = (3, 9, 5, 14)  # different lengths, so the batch pads most rows
@@ -25,16 +26,7 @@ def _jobs(vocab: int) -> list[Job]:
 
 
 def _write(loaded, jobs: list[Job]) -> dict[str, list[int]]:
-    engine = StaticEngine(loaded, capacity=len(jobs))
-    seqs = [engine.add(job) for job in jobs]
-    while engine.busy:
-        engine.step()
-    return {s.id: s.output_ids for s in seqs}
-
-
-@pytest.fixture(scope="module", params=["gpt2", "llama"])
-def loaded(request, tiny_model_dirs):
-    return load(tiny_model_dirs[request.param], dtype="float32", device="cpu")
+    return {s.id: s.output_ids for s in write(StaticEngine(loaded, capacity=len(jobs)), jobs)}
 
 
 def _alone(loaded, jobs):

@@ -13,8 +13,7 @@ import torch
 from shared.protocol import Job, SamplingParams
 from shared.settings import Settings
 from worker.constraint import Grammars
-from worker.continuous import engine as continuous
-from worker.model_loader import load
+from tests.engines import make_engine, run_until_idle
 
 SCHEMA = {"type": "object",
           "properties": {"mood": {"enum": ["grumpy", "happy", "sly"]},
@@ -24,14 +23,8 @@ SCHEMA = {"type": "object",
 
 
 @pytest.fixture(scope="module")
-def loaded(tiny_model_dirs):
-    return load(tiny_model_dirs["llama"], dtype="float32", device="cpu")
-
-
-@pytest.fixture(scope="module")
-def engine(loaded):
-    settings = Settings(block_size=4, kv_blocks=512, max_batch_tokens=64, batch=0)
-    return continuous.build(loaded, settings, loaded.model.state_dict(), loaded.model.config)
+def engine(tiny_llama):
+    return make_engine(tiny_llama, Settings(block_size=4, kv_blocks=512, max_batch_tokens=64, batch=0))
 
 
 def stored(*grammars: str) -> dict[str, str]:
@@ -47,8 +40,8 @@ JSON_ID, CHOICE_ID = list(STORE)
 
 
 @pytest.fixture(scope="module")
-def grammars(loaded):
-    return Grammars(loaded.tokenizer, loaded.vocab_size, STORE.get)
+def grammars(tiny_llama):
+    return Grammars(tiny_llama.tokenizer, tiny_llama.vocab_size, STORE.get)
 
 
 def job(i: int, grammar: str, **params) -> Job:
@@ -56,19 +49,13 @@ def job(i: int, grammar: str, **params) -> Job:
     return Job(id=f"j{i}", model="m", prompt_ids=[5 + i % 7, 9, 11], params=SamplingParams(**params), timeout_s=60)
 
 
-def run(engine, seqs):
-    steps = 0
-    while engine.busy:
-        engine.step()
-        steps += 1
-        assert steps < 2000
-    return seqs
+STEPS = 2000  # more than any request here needs: past it a test fails rather than hangs
 
 
 def test_sampled_replies_in_a_crowd_all_match_their_schema(engine, grammars):
     seqs = [engine.add(job(i, JSON_ID if i % 2 else CHOICE_ID, top_p=0.95 if i % 3 else 1.0),
                        constraint=grammars.constraint(JSON_ID if i % 2 else CHOICE_ID)) for i in range(24)]
-    run(engine, seqs)
+    run_until_idle(engine, STEPS)
     for seq in seqs:
         assert seq.finish_reason == "stop", seq.text
         if seq.params.grammar == JSON_ID:
@@ -80,35 +67,36 @@ def test_sampled_replies_in_a_crowd_all_match_their_schema(engine, grammars):
 
 def test_greedy_replies_are_constrained_too(engine, grammars):
     seq = engine.add(job(1, JSON_ID, temperature=0), constraint=grammars.constraint(JSON_ID))
-    run(engine, [seq])
+    run_until_idle(engine, STEPS)
     jsonschema.validate(json.loads(seq.text), SCHEMA)
 
 
 def test_a_reply_cut_by_max_tokens_ends_with_length(engine, grammars):
     seq = engine.add(job(2, JSON_ID, max_tokens=3), constraint=grammars.constraint(JSON_ID))
-    run(engine, [seq])
+    run_until_idle(engine, STEPS)
     assert seq.finish_reason == "length" and len(seq.output_ids) == 3 and seq.text.startswith("{")
 
 
 def test_a_resumed_job_replays_its_record_through_the_matcher_and_goes_on_constrained(engine, grammars):
-    whole = run(engine, [engine.add(job(3, JSON_ID), constraint=grammars.constraint(JSON_ID))])[0]
+    whole = engine.add(job(3, JSON_ID), constraint=grammars.constraint(JSON_ID))
+    run_until_idle(engine, STEPS)
     written = whole.output_ids[:len(whole.output_ids) // 2]
     resumed = engine.add(job(3, JSON_ID), written, constraint=grammars.constraint(JSON_ID))
     assert resumed.resumed == len(written)
-    run(engine, [resumed])
+    run_until_idle(engine, STEPS)
     assert resumed.output_ids == whole.output_ids and resumed.text == whole.text  # same seed, same draws
     jsonschema.validate(json.loads(resumed.text), SCHEMA)
 
 
-def test_grammars_are_compiled_once_and_copied_per_request(loaded):
+def test_grammars_are_compiled_once_and_copied_per_request(tiny_llama):
     fetched = []
-    grammars = Grammars(loaded.tokenizer, loaded.vocab_size, lambda d: fetched.append(d) or STORE.get(d))
+    grammars = Grammars(tiny_llama.tokenizer, tiny_llama.vocab_size, lambda d: fetched.append(d) or STORE.get(d))
     first, second = grammars.constraint(JSON_ID), grammars.constraint(JSON_ID)
     assert fetched == [JSON_ID] and first.matcher is not second.matcher
 
 
-def test_a_grammar_missing_from_redis_is_a_clear_error(loaded):
-    grammars = Grammars(loaded.tokenizer, loaded.vocab_size, lambda d: None)
+def test_a_grammar_missing_from_redis_is_a_clear_error(tiny_llama):
+    grammars = Grammars(tiny_llama.tokenizer, tiny_llama.vocab_size, lambda d: None)
     with pytest.raises(ValueError, match="not in Redis"):
         grammars.constraint("ab" * 32)
 

@@ -14,23 +14,8 @@ from dataclasses import replace
 import pytest
 
 from shared.protocol import Job, SamplingParams
-from shared.settings import Settings
-from worker.continuous import engine as continuous
-from worker.model_loader import load
+from tests.engines import SETTINGS, make_engine, write, write_arriving
 from worker.static_engine import StaticEngine
-
-SETTINGS = Settings(block_size=4, kv_blocks=256, max_batch_tokens=24, batch=0)
-
-
-@pytest.fixture(scope="module", params=["gpt2", "llama"])
-def loaded(request, tiny_model_dirs):
-    return load(tiny_model_dirs[request.param], dtype="float32", device="cpu")
-
-
-def make_engine(loaded, settings=SETTINGS):
-    engine = continuous.build(loaded, settings, loaded.model.state_dict(), loaded.model.config)
-    assert engine is not None, "tiny GPT-2 and Llama run on the compact model code"
-    return engine
 
 
 def make_jobs(vocab: int, count: int, seed: int, shared_prefix: int = 0) -> list[tuple[int, Job]]:
@@ -47,25 +32,11 @@ def make_jobs(vocab: int, count: int, seed: int, shared_prefix: int = 0) -> list
 
 
 def run_continuous(engine, jobs: list[tuple[int, Job]]) -> dict[str, list[int]]:
-    seqs, pending, step = [], list(jobs), 0
-    while pending or engine.busy:
-        while pending and pending[0][0] <= step:
-            seqs.append(engine.add(pending.pop(0)[1]))
-        engine.step()
-        step += 1
-        assert step < 10_000, "the engine stopped making progress"
-    return {s.id: s.output_ids for s in seqs}
+    return {i: s.output_ids for i, s in write_arriving(engine, jobs, most_steps=10_000).items()}
 
 
 def alone(loaded, jobs) -> dict[str, list[int]]:
-    out = {}
-    for _, job in jobs:
-        engine = StaticEngine(loaded, capacity=1)
-        seq = engine.add(job)
-        while engine.busy:
-            engine.step()
-        out[job.id] = seq.output_ids
-    return out
+    return {job.id: write(StaticEngine(loaded, capacity=1), [job])[0].output_ids for _, job in jobs}
 
 
 def test_random_arrivals_write_what_each_writes_alone(loaded):

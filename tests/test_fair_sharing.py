@@ -25,10 +25,9 @@ from serve import free_port
 from shared import keys
 from shared.protocol import Job, SamplingParams, WorkerInfo
 from shared.settings import Settings
+from tests.engines import make_engine
 from tests.processes import logs, make_client, models_served, start, stop, wait_until
-from worker.continuous import engine as continuous
 from worker.job_queue import JobQueue
-from worker.model_loader import load
 from worker.worker import ADMIT_ROUNDS, Worker
 
 pytestmark = pytest.mark.timeout(300)
@@ -37,15 +36,6 @@ pytestmark = pytest.mark.timeout(300)
 # In process
 
 ENGINE = Settings(block_size=4, kv_blocks=1024, max_batch_tokens=32, batch=0)
-
-
-@pytest.fixture(scope="module")
-def llama(tiny_model_dirs):
-    return load(tiny_model_dirs["llama"], dtype="float32", device="cpu")
-
-
-def make_engine(loaded, settings: Settings):
-    return continuous.build(loaded, settings, loaded.model.state_dict(), loaded.model.config)
 
 
 def backlog(count: int, seed: int, lengths=(24, 24), shared_prefix: int = 0, max_tokens=(20, 20)) -> list[Job]:
@@ -98,19 +88,19 @@ def race(loaded, settings: Settings, jobs: list[Job]) -> dict:
 
 
 @pytest.mark.parametrize("policy", ["fifo", "prefill-first"])
-def test_a_worker_takes_what_its_next_step_starts_and_as_many(llama, policy):
+def test_a_worker_takes_what_its_next_step_starts_and_as_many(tiny_llama, policy):
     """Equal prompts: the taking engine starts jobs exactly when the one holding the whole backlog
     does, and never holds one it has not started."""
-    result = race(llama, replace(ENGINE, scheduler=policy), backlog(60, seed=1))
+    result = race(tiny_llama, replace(ENGINE, scheduler=policy), backlog(60, seed=1))
     assert result["takes"]["held"] == 0
     assert result["takes"]["steps"] == result["holds all"]["steps"]
     assert result["takes"]["started_at"] == result["holds all"]["started_at"]
     assert result["holds all"]["held"] > 20 * 60, "the backlog did wait inside the engine holding it"
 
 
-def test_sixty_four_players_batch_as_before_with_the_default_budget(llama):
+def test_sixty_four_players_batch_as_before_with_the_default_budget(tiny_llama):
     """The default budget (512 tokens a step) and a crowd of 64: the same steps, the same starts."""
-    result = race(llama, replace(ENGINE, max_batch_tokens=512), backlog(64, seed=2, lengths=(20, 30)))
+    result = race(tiny_llama, replace(ENGINE, max_batch_tokens=512), backlog(64, seed=2, lengths=(20, 30)))
     # Prompts of 20-30 tokens: the first guesses are off by a little, and hold a few for a step.
     assert result["takes"]["held"] <= 0.05 * result["holds all"]["held"]
     assert result["takes"]["steps"] == result["holds all"]["steps"]
@@ -118,7 +108,7 @@ def test_sixty_four_players_batch_as_before_with_the_default_budget(llama):
 
 
 @pytest.mark.parametrize("case", ["mixed lengths", "shared prefix", "small cache"])
-def test_prompts_it_cannot_see_cost_it_little(llama, case):
+def test_prompts_it_cannot_see_cost_it_little(tiny_llama, case):
     """Prompts of 1-60 tokens, or sharing a 40-token prefix that the cache holds, or a cache that
     fills: the guess can be off, but what is held unstarted is a sliver of what the engine holding
     everything holds, and jobs start about as early."""
@@ -127,26 +117,26 @@ def test_prompts_it_cannot_see_cost_it_little(llama, case):
         jobs = backlog(80, seed=4, lengths=(1, 20), shared_prefix=40, max_tokens=(1, 30))
     if case == "small cache":
         settings = replace(ENGINE, kv_blocks=64, prefix_caching=False)
-    result = race(llama, settings, jobs)
+    result = race(tiny_llama, settings, jobs)
     takes, holds_all = result["takes"], result["holds all"]
     assert takes["held"] <= 0.05 * holds_all["held"]
     assert takes["steps"] <= 1.1 * holds_all["steps"]
     assert takes["started_at"] <= 1.1 * holds_all["started_at"]
 
 
-def test_a_larger_batch_than_the_step_can_compute_is_cut_to_it(llama):
-    assert make_engine(llama, replace(ENGINE, batch=1000)).capacity == 32
-    assert make_engine(llama, replace(ENGINE, batch=8)).capacity == 8
+def test_a_larger_batch_than_the_step_can_compute_is_cut_to_it(tiny_llama):
+    assert make_engine(tiny_llama, replace(ENGINE, batch=1000)).capacity == 32
+    assert make_engine(tiny_llama, replace(ENGINE, batch=8)).capacity == 8
 
 
 def _push(client, jobs: list[Job]) -> None:
     client.rpush(keys.queue("m"), *[j.to_json() for j in jobs])
 
 
-def test_the_worker_loop_leaves_in_redis_what_it_would_not_start(llama, fake_redis):
+def test_the_worker_loop_leaves_in_redis_what_it_would_not_start(tiny_llama, fake_redis):
     info = WorkerInfo(id="w", model="m", context_window=128, engine="continuous", batch=32, device="cpu",
                       dtype="float32", tokenizer_digest="x", pid=1, host="h", started=0.0)
-    engine = make_engine(llama, ENGINE)
+    engine = make_engine(tiny_llama, ENGINE)
     worker = Worker(JobQueue(fake_redis, "w", "m"), engine, info, Settings(wait_ms=0))
     worker.queue.sync_clock()  # as its first heartbeat does
     _push(fake_redis, backlog(16, seed=5, max_tokens=(8, 8)))

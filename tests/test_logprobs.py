@@ -21,6 +21,7 @@ from api.logprobs import Rendering, StreamState, token_text
 from api.tokenizers import Tokenizer
 from shared.protocol import Final, Job, SamplingParams, TextDelta
 from shared.settings import Settings
+from tests.engines import SETTINGS, make_engine, write
 from tests.test_integration import MODEL, client, stack  # noqa: F401 (fixtures: a real stack)
 from tests.test_job_queue import MODEL as QUEUE_MODEL, _die
 from tests.test_leases import _heard, _listen
@@ -201,23 +202,14 @@ def test_a_stream_skips_the_entries_a_written_again_job_repeats():
     assert [e[0] for e in state.flush(0)] == [4]
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tiny_model_dirs):
-    return load(tiny_model_dirs["llama"], dtype="float32", device="cpu")
-
-
 def test_a_dead_workers_logprobs_job_is_heard_once_written_again(fake_redis, monkeypatch, tiny_llama):
     """Killed after 5 tokens of a stream: the next worker writes it from the start (its entries died
     with the first), and through the API's rules the client hears the text and each entry once,
     equal to the undisturbed job's."""
-    from tests.test_continuous_engine import make_engine
     monkeypatch.setattr(job_queue, "RECORD_INTERVAL_S", 0)
     job = Job(id="job-0", model=QUEUE_MODEL, prompt_ids=[21, 45, 33, 190, 7], timeout_s=60, stream=True,
               params=SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=3, logprobs=2))
-    alone = make_engine(tiny_llama)
-    undisturbed = alone.add(job)
-    while alone.busy:
-        alone.step()
+    [undisturbed] = write(make_engine(tiny_llama), [job])
     _push_job(fake_redis, job)
     pubsub = _listen(fake_redis, job.id)
     first = JobQueue(fake_redis, "first", QUEUE_MODEL)
@@ -254,7 +246,6 @@ def test_prompt_logprobs_of_a_chunked_prompt_beside_decodes(tiny_llama):
     scores the same tokens written."""
     from dataclasses import replace
 
-    from tests.test_continuous_engine import SETTINGS, make_engine
     prompt = [(7 * i) % 300 + 4 for i in range(60)]
     params = SamplingParams(max_tokens=1, temperature=0, logprobs=3, prompt_logprobs=3)
     chunked = make_engine(tiny_llama, replace(SETTINGS, max_batch_tokens=16, prefill_chunk=16, step_fill=16))
@@ -268,7 +259,7 @@ def test_prompt_logprobs_of_a_chunked_prompt_beside_decodes(tiny_llama):
         steps += 1
     assert steps >= 4 and not beside.finished  # in chunks, beside the decodes
     whole = make_engine(tiny_llama, replace(SETTINGS, max_batch_tokens=512, kv_blocks=256))
-    [alone] = _run(whole, Job(id="long", model="m", prompt_ids=prompt, timeout_s=60, params=params))
+    [alone] = write(whole, [Job(id="long", model="m", prompt_ids=prompt, timeout_s=60, params=params)])
     entries, expected = seq.final().prompt_logprobs, alone.final().prompt_logprobs
     assert [e[0] for e in entries] == prompt and entries[0][1] is None
     for mine, theirs in zip(entries[1:], expected[1:]):
@@ -277,9 +268,9 @@ def test_prompt_logprobs_of_a_chunked_prompt_beside_decodes(tiny_llama):
     # The prompt's 10 first tokens written as a reply (forced by logit_bias) score the same.
     forced = make_engine(tiny_llama)
     for i in range(1, 11):
-        [reply] = _run(forced, Job(id=f"w{i}", model="m", prompt_ids=prompt[:i], timeout_s=60,
-                                   params=SamplingParams(max_tokens=1, logprobs=3, temperature=0,
-                                                         logit_bias={str(prompt[i]): 100.0})))
+        [reply] = write(forced, [Job(id=f"w{i}", model="m", prompt_ids=prompt[:i], timeout_s=60,
+                                     params=SamplingParams(max_tokens=1, logprobs=3, temperature=0,
+                                                           logit_bias={str(prompt[i]): 100.0}))])
         assert reply.output_ids == [prompt[i]]
         assert reply.logprobs[0][1] == pytest.approx(entries[i][1], abs=1e-5)
 
@@ -289,13 +280,6 @@ def test_prompt_logprobs_of_a_chunked_prompt_beside_decodes(tiny_llama):
 @pytest.fixture(scope="module")
 def smollm2():
     return load(PACKAGED, dtype="auto", device="cpu", transformers_model=False)  # the worker's defaults
-
-
-def _run(engine, *jobs: Job) -> list[Sequence]:
-    seqs = [engine.add(job) for job in jobs]
-    while engine.busy:
-        engine.step()
-    return seqs
 
 
 def _reference_logprobs(engine, prompt: list[int], output: list[int]) -> torch.Tensor:
@@ -321,15 +305,14 @@ PROMPT = "Once upon a time, in a land of dragons and gold,"
 def test_smollm2_logprobs_are_the_models_own_log_softmax(smollm2):
     engine = continuous.build(smollm2, Settings(), smollm2.weights(), smollm2.config)
     prompt = smollm2.tokenizer(PROMPT).input_ids
-    plain, greedy, sampled = _run(
-        engine,
+    plain, greedy, sampled = write(engine, [
         Job(id="plain", model="m", prompt_ids=prompt, params=SamplingParams(max_tokens=10, temperature=0),
             timeout_s=60),
         Job(id="greedy", model="m", prompt_ids=prompt, timeout_s=60,
             params=SamplingParams(max_tokens=10, temperature=0, logprobs=5)),
         # Penalties and temperature change the pick, not the logprobs (the model's own numbers).
         Job(id="sampled", model="m", prompt_ids=prompt, timeout_s=60,
-            params=SamplingParams(max_tokens=10, temperature=1.3, seed=5, logprobs=3, presence_penalty=1.5)))
+            params=SamplingParams(max_tokens=10, temperature=1.3, seed=5, logprobs=3, presence_penalty=1.5))])
     assert greedy.output_ids == plain.output_ids and greedy.text == plain.text  # beside the pick only
     for seq in (greedy, sampled):
         final = seq.final()
@@ -353,14 +336,14 @@ def test_smollm2_logprobs_are_the_models_own_log_softmax(smollm2):
 def test_smollm2_prompt_logprobs_are_the_replys_numbers_and_skip_the_prefix_cache(smollm2):
     engine = continuous.build(smollm2, Settings(), smollm2.weights(), smollm2.config)
     prompt = smollm2.tokenizer(PROMPT + " there lived a bard who sang of storms and ships").input_ids
-    [reply] = _run(engine, Job(id="reply", model="m", prompt_ids=prompt, timeout_s=60,
-                               params=SamplingParams(max_tokens=8, temperature=0, logprobs=4)))
+    [reply] = write(engine, [Job(id="reply", model="m", prompt_ids=prompt, timeout_s=60,
+                                 params=SamplingParams(max_tokens=8, temperature=0, logprobs=4))])
     whole = prompt + reply.output_ids
     # Echo with logprobs of the prompt and its reply: its prompt's blocks are in the cache, unused.
-    [echo] = _run(engine, Job(id="echo", model="m", prompt_ids=whole, timeout_s=60,
-                              params=SamplingParams(max_tokens=1, temperature=0, logprobs=4, prompt_logprobs=4)))
-    [again] = _run(engine, Job(id="again", model="m", prompt_ids=whole, timeout_s=60,
-                               params=SamplingParams(max_tokens=1, temperature=0)))
+    [echo] = write(engine, [Job(id="echo", model="m", prompt_ids=whole, timeout_s=60,
+                                params=SamplingParams(max_tokens=1, temperature=0, logprobs=4, prompt_logprobs=4))])
+    [again] = write(engine, [Job(id="again", model="m", prompt_ids=whole, timeout_s=60,
+                                 params=SamplingParams(max_tokens=1, temperature=0))])
     assert echo.cached_tokens == 0 and echo.final().cached_tokens == 0
     assert again.final().cached_tokens >= 16 and again.cached_tokens % 16 == 0  # whole blocks of it
     entries = echo.final().prompt_logprobs

@@ -24,10 +24,9 @@ from shared import keys
 from shared import metrics as names
 from shared.protocol import Failure, Final, Job, SamplingParams, TextDelta, encode_result
 from shared.settings import Settings
+from tests.engines import make_engine
 from tests.test_api_errors import MODEL as FAKE_MODEL, _register_worker, next_job
-from worker.continuous import engine as continuous
 from worker.metrics import EngineCollector, WorkerMetrics
-from worker.model_loader import load
 from worker.static_engine import StaticEngine
 
 pytestmark = pytest.mark.timeout(240)
@@ -206,11 +205,6 @@ def _exposition(collector) -> dict:
     return parse(generate_latest(registry).decode())
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tiny_model_dirs):
-    return load(tiny_model_dirs["llama"], dtype="float32", device="cpu")
-
-
 def _shared_prefix_jobs(count: int) -> list[Job]:
     prefix = list(range(10, 42))  # two blocks of 16: the second request finds them in the cache
     return [Job(id=f"j{i}", model="tiny", prompt_ids=prefix + [50 + i],
@@ -220,7 +214,7 @@ def _shared_prefix_jobs(count: int) -> list[Job]:
 
 def test_the_continuous_engines_numbers_reach_the_workers_metrics(tiny_llama):
     settings = Settings(block_size=16, kv_blocks=32, max_batch_tokens=64)
-    engine = continuous.build(tiny_llama, settings, tiny_llama.model.state_dict(), tiny_llama.model.config)
+    engine = make_engine(tiny_llama, settings)
     observed = WorkerMetrics("tiny-continuous")
     first, second = _shared_prefix_jobs(2)
     seqs = [engine.add(first)]

@@ -19,13 +19,12 @@ from shared import keys
 from shared import metrics as names
 from shared.protocol import Final, Job, SamplingParams, TextDelta, WorkerInfo, decode_result
 from shared.settings import Settings
-from tests.test_continuous_engine import make_engine
+from tests.engines import make_engine
 from tests.test_job_queue import MODEL, _die, _push, client  # noqa: F401 (a fixture)
 from tests.test_leases import _heard, _listen
 from tests.tiny_models import tiny_tokenizer
 from worker import job_queue
 from worker.job_queue import JobQueue
-from worker.model_loader import load
 from worker.sampling import new_generator
 from worker.sequence import Sequence
 from worker.static_engine import StaticEngine
@@ -254,11 +253,6 @@ PARAMS = {"greedy": dict(temperature=0),
           "seeded, top-k and top-p": dict(temperature=0.9, top_p=0.9, top_k=40, seed=12)}
 
 
-@pytest.fixture(scope="module")
-def loaded(tiny_model_dirs):
-    return load(tiny_model_dirs["llama"], dtype="float32", device="cpu")
-
-
 def _engine(kind: str, loaded):
     return make_engine(loaded) if kind == "continuous" else StaticEngine(loaded, capacity=4)
 
@@ -273,12 +267,12 @@ def _run(engine, seq: Sequence, queue: JobQueue = None, until: int = MAX_TOKENS)
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
 @pytest.mark.parametrize("params", list(PARAMS), ids=list(PARAMS))
 @pytest.mark.parametrize("kind", ["continuous", "static"])
-def test_a_requeued_job_resumes_and_writes_what_it_would_have(fake_redis, monkeypatch, loaded, kind, params,
+def test_a_requeued_job_resumes_and_writes_what_it_would_have(fake_redis, monkeypatch, tiny_llama, kind, params,
                                                               stream):
     monkeypatch.setattr(job_queue, "RECORD_INTERVAL_S", 0)  # a whole job's record at every step
     job = Job(id="job-0", model=MODEL, prompt_ids=[21, 45, 33, 190, 7], timeout_s=60, stream=stream,
               params=SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **PARAMS[params]))
-    alone = _engine(kind, loaded)
+    alone = _engine(kind, tiny_llama)
     undisturbed = alone.add(job)
     _run(alone, undisturbed)
     assert len(undisturbed.output_ids) == MAX_TOKENS
@@ -287,7 +281,7 @@ def test_a_requeued_job_resumes_and_writes_what_it_would_have(fake_redis, monkey
     pubsub = _listen(fake_redis, job.id)
     first = JobQueue(fake_redis, "first", MODEL)
     [taken] = first.take(limit=1, wait_s=0, block_s=1)
-    engine = _engine(kind, loaded)
+    engine = _engine(kind, tiny_llama)
     _run(engine, engine.add(taken), first, until=K)
     _die(first, fake_redis)
     second = JobQueue(fake_redis, "second", MODEL)
@@ -295,7 +289,7 @@ def test_a_requeued_job_resumes_and_writes_what_it_would_have(fake_redis, monkey
     [again] = second.take(limit=1, wait_s=0, block_s=1)
     written = second.written.pop(again.id)
     assert len(written) == K
-    fresh = _engine(kind, loaded)
+    fresh = _engine(kind, tiny_llama)
     resumed = fresh.add(again, written)
     assert resumed.resumed == K
     _run(fresh, resumed, second)
@@ -317,23 +311,23 @@ def test_a_requeued_job_resumes_and_writes_what_it_would_have(fake_redis, monkey
 
 @pytest.mark.parametrize("written, why", [([5] * (MAX_TOKENS + 1), "over its max_tokens"),
                                           ([5, 10 ** 6], "outside the vocabulary")])
-def test_a_record_the_model_cannot_continue_is_ignored(loaded, caplog, written, why):
+def test_a_record_the_model_cannot_continue_is_ignored(tiny_llama, caplog, written, why):
     job = Job(id="job-0", model=MODEL, prompt_ids=[21, 45], timeout_s=60,
               params=SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
-    engine = make_engine(loaded)
+    engine = make_engine(tiny_llama)
     with caplog.at_level(logging.WARNING):
         seq = engine.add(job, written)
     assert "writing it from the start" in caplog.text
     assert seq.resumed == 0 and seq.output_ids == [] and engine.busy
 
 
-def test_a_record_that_completes_its_job_is_answered_without_a_step(fake_redis, loaded):
+def test_a_record_that_completes_its_job_is_answered_without_a_step(fake_redis, tiny_llama):
     job = Job(id="job-0", model=MODEL, prompt_ids=[21, 45], timeout_s=60, stream=True,
               params=SamplingParams(max_tokens=4, temperature=0))
     _push_job(fake_redis, job)
     fake_redis.set(keys.written(MODEL, job.id), _as_record(WORDS[:4]))
     pubsub = _listen(fake_redis, job.id)
-    engine = make_engine(loaded)
+    engine = make_engine(tiny_llama)
     info = WorkerInfo(id="w1", model=MODEL, context_window=128, engine="continuous", batch=4, device="cpu",
                       dtype="float32", tokenizer_digest="x", pid=1, host="h", started=0.0)
     worker = Worker(JobQueue(fake_redis, "w1", MODEL), engine, info, Settings())
@@ -349,12 +343,12 @@ def test_a_record_that_completes_its_job_is_answered_without_a_step(fake_redis, 
     assert REGISTRY.get_sample_value(names.RESUMED_TOKENS, {"model": MODEL}) == resumed + 4
 
 
-def test_the_admission_guess_counts_a_resumed_jobs_written_tokens_as_prompt(loaded):
+def test_the_admission_guess_counts_a_resumed_jobs_written_tokens_as_prompt(tiny_llama):
     """free_slots guesses what a job still in Redis will cost the next step from what those admitted
     lately cost theirs: a resumed job's written tokens are prefilled with its prompt, so they count,
     as the same tokens would in a prompt."""
     def admitted(prompt: list[int], written: list[int]):
-        engine = make_engine(loaded)
+        engine = make_engine(tiny_llama)
         engine.add(Job(id="job-0", model=MODEL, prompt_ids=prompt, timeout_s=60,
                        params=SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)), written)
         engine.step()  # admitted, its prompt and record computed in one chunk

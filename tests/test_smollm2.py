@@ -8,6 +8,7 @@ import torch
 
 from shared.protocol import Job, SamplingParams
 from serve import free_port
+from tests.engines import write
 from tests.processes import default_worker, make_client, models_served, start, stop, wait_until
 from shared.settings import Settings
 from worker.continuous import engine as continuous
@@ -34,11 +35,7 @@ def _chat_job(loaded, job_id: str, request: str, max_tokens: int) -> Job:
 
 
 def _run(loaded, jobs):
-    engine = StaticEngine(loaded, capacity=len(jobs))
-    seqs = [engine.add(job) for job in jobs]
-    while engine.busy:
-        engine.step()
-    return seqs
+    return write(StaticEngine(loaded, capacity=len(jobs)), jobs)
 
 
 def _assert_english_story(text: str, about: str) -> None:
@@ -87,13 +84,6 @@ def _continuous(loaded, settings=Settings(int4_rows=0)):
     return continuous.build(loaded, settings, loaded.model.state_dict(), loaded.config)
 
 
-def _write_continuous(engine, jobs):
-    seqs = [engine.add(job) for job in jobs]
-    while engine.busy:
-        engine.step()
-    return seqs
-
-
 def test_the_compact_runner_matches_transformers_logits_and_text(smollm2):
     """The continuous engine's own Llama code on SmolLM2's weights, against transformers' model."""
     job = _chat_job(smollm2, "c", "Tell a short story about a brave dragon.", 40)
@@ -103,7 +93,7 @@ def test_the_compact_runner_matches_transformers_logits_and_text(smollm2):
     engine.add(job)
     logits, _ = engine.runner.logits(engine.scheduler.schedule())
     assert torch.allclose(logits[0], expected, atol=1e-3, rtol=0), (logits[0] - expected).abs().max()
-    [story] = _write_continuous(_continuous(smollm2), [job])
+    [story] = write(_continuous(smollm2), [job])
     [reference] = _run(smollm2, [job])
     assert story.output_ids == reference.output_ids
 
@@ -112,7 +102,7 @@ def test_the_continuous_engine_writes_what_the_static_one_writes_for_a_crowd(smo
     requests = ["Tell a story about a castle.", "Write two sentences about a skeleton guarding a gate at night.",
                 "Describe a tavern.", "Tell a short story about a brave dragon."]
     jobs = [_chat_job(smollm2, f"j{i}", r, 24) for i, r in enumerate(requests)]
-    together = [s.output_ids for s in _write_continuous(_continuous(smollm2), jobs)]
+    together = [s.output_ids for s in write(_continuous(smollm2), jobs)]
     alone = [_run(smollm2, [job])[0].output_ids for job in jobs]
     assert together == alone
 
@@ -123,4 +113,4 @@ def test_the_gguf_read_straight_runs_like_transformers_load(smollm2):
     assert direct.model is None and direct.eos_ids == smollm2.eos_ids
     job = _chat_job(smollm2, "d", "Tell a short story about a knight.", 30)
     engine = continuous.build(direct, Settings(int4_rows=0), direct.weights(), direct.config)
-    assert _write_continuous(engine, [job])[0].output_ids == _run(smollm2, [job])[0].output_ids
+    assert write(engine, [job])[0].output_ids == _run(smollm2, [job])[0].output_ids
