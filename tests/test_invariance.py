@@ -15,6 +15,7 @@ import torch
 
 from shared.protocol import Job, SamplingParams
 from shared.settings import Settings
+from tests.engines import run_until_idle, write, write_arriving
 from worker.continuous import engine as continuous
 from worker.continuous.linear import EVERY_STEP, Linear
 from worker.continuous.weights import Q41, Q80
@@ -45,8 +46,7 @@ def alone(smollm2):
         key = (tuple(job.prompt_ids), job.params.max_tokens, job.params.temperature, job.params.seed)
         if key not in cache:
             seq = engine.add(job)
-            while engine.busy:
-                engine.step()
+            run_until_idle(engine)
             cache[key] = (seq.output_ids, seq.text)
         return cache[key]
     return write
@@ -121,18 +121,6 @@ def _crowd(loaded, count: int, seed: int) -> list[tuple[int, Job]]:
     return jobs
 
 
-def _write_crowd(engine, jobs):
-    pending = sorted(jobs, key=lambda item: item[0])
-    seqs, step = {}, 0
-    while pending or engine.busy:
-        while pending and pending[0][0] <= step:
-            job = pending.pop(0)[1]
-            seqs[job.id] = engine.add(job)
-        engine.step()
-        step += 1
-    return seqs
-
-
 @pytest.mark.parametrize("pool", ["roomy", "preempting"])
 def test_a_crowd_writes_what_each_request_writes_alone(smollm2, alone, pool):
     """≥ 100 requests, greedy and seeded, streamed and not, arriving at random steps with shared
@@ -141,7 +129,7 @@ def test_a_crowd_writes_what_each_request_writes_alone(smollm2, alone, pool):
     # 12 blocks of 16 tokens hold the longest request (~120 tokens) but not the crowd: running requests
     # that need a block when none is free preempt the newest (untimed steps: the same schedule each run).
     engine = _engine(smollm2, kv_blocks=12, max_stretch=0) if pool == "preempting" else _engine(smollm2)
-    seqs = _write_crowd(engine, jobs)
+    seqs = write_arriving(engine, jobs)
     stats = engine.stats()
     assert stats["prefix_hit_blocks"] > 0
     if pool == "preempting":
@@ -153,7 +141,7 @@ def test_a_crowd_writes_what_each_request_writes_alone(smollm2, alone, pool):
 def test_an_engine_built_again_writes_the_same_texts(smollm2, alone):
     """A worker started again (or another of the pool, same fingerprint) computes the same bits."""
     jobs = _crowd(smollm2, 24, seed=5)
-    seqs = _write_crowd(_engine(smollm2), jobs)
+    seqs = write_arriving(_engine(smollm2), jobs)
     assert [seqs[job.id].output_ids for _, job in jobs] == [alone(job)[0] for _, job in jobs]
 
 
@@ -167,12 +155,10 @@ def test_a_model_with_dense_weights_is_batch_invariant_too(dtype):
         pytest.skip(f"no row-wise dense kernel for {dtype} on this CPU ({engine.numerics})")
     assert {layer.path for layer in engine.runner.model.linears()} == {"dense-panels"}
     jobs = _crowd(loaded, 32, seed=6)
-    seqs = _write_crowd(engine, jobs)
+    seqs = write_arriving(engine, jobs)
     single = continuous.build(loaded, Settings(prefix_caching=False), loaded.model.state_dict(), loaded.config)
     for _, job in jobs:
-        seq = single.add(job)
-        while single.busy:
-            single.step()
+        [seq] = write(single, [job])
         assert seq.output_ids == seqs[job.id].output_ids, job.id
 
 
@@ -207,19 +193,12 @@ def test_penalties_and_grammars_keep_the_crowd_equal_to_alone(smollm2):
         constraint = grammars.constraint(job.params.grammar) if job.params.grammar else None
         return engine.add(job, written, constraint)
 
-    crowd_engine, pending, seqs, step = _engine(smollm2), sorted(jobs, key=lambda item: item[0]), {}, 0
-    while pending or crowd_engine.busy:
-        while pending and pending[0][0] <= step:
-            job = pending.pop(0)[1]
-            seqs[job.id] = add(crowd_engine, job)
-        crowd_engine.step()
-        step += 1
+    seqs = write_arriving(_engine(smollm2), jobs, add)
     lone = _engine(smollm2, prefix_caching=False)
     differ = []
     for _, job in jobs:
         seq = add(lone, job)
-        while lone.busy:
-            lone.step()
+        run_until_idle(lone)
         if (seq.output_ids, seq.text) != (seqs[job.id].output_ids, seqs[job.id].text):
             differ.append(job.id)
         if job.params.grammar == digests[0] and seq.finish_reason == "stop":
