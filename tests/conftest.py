@@ -1,18 +1,11 @@
 """Shared fixtures: tiny models (their directories, and loaded in process), fakeredis for unit tests,
-a private redis-server."""
+a private redis-server (one a session, or one a test)."""
 from __future__ import annotations
-
-import shutil
-import subprocess
-from pathlib import Path
-from typing import Optional, Sequence
-from urllib.parse import urlparse
 
 import fakeredis
 import pytest
-import redis
 
-from serve import free_port, wait_for_redis
+from tests.processes import RedisServer
 from tests.tiny_models import save_tiny
 
 
@@ -51,41 +44,6 @@ def fake_redis():
     return fakeredis.FakeRedis()
 
 
-class RedisServer:
-    """A private redis-server on a free port, which a test may stop and start again.
-
-    `url` and `extra_args` (appended, so they win) make another kind: one with a password
-    (`--requirepass`), or TLS on the URL's port (`--port 0 --tls-port ...`). Its output: `log`.
-    """
-
-    def __init__(self, directory: str, url: Optional[str] = None, extra_args: Sequence[str] = ()):
-        self.url = url or f"redis://127.0.0.1:{free_port()}/0"
-        self.port = urlparse(self.url).port
-        self.directory = directory
-        self.extra_args = list(extra_args)
-        self.log = Path(directory) / "redis-server.log"
-        self.process = None
-
-    def start(self) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            pytest.fail("redis-server is not installed (the test command installs it: see .ci/run)")
-        with open(self.log, "ab") as log:
-            self.process = subprocess.Popen(
-                [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                 "--dir", self.directory, *self.extra_args], stdout=log, stderr=subprocess.STDOUT)
-        wait_for_redis(self.url)
-
-    def stop(self) -> None:
-        if self.process:
-            self.process.terminate()
-            self.process.wait(10)
-            self.process = None
-
-    def client(self) -> redis.Redis:
-        return redis.Redis.from_url(self.url)
-
-
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     server = RedisServer(str(tmp_path_factory.mktemp("redis")))
@@ -100,6 +58,15 @@ def real_redis(redis_server):
     client.flushdb()
     yield client
     client.flushdb()
+
+
+@pytest.fixture
+def redis_alone(tmp_path):
+    """A redis-server of the test's own, for one that stops it or must not share its keys."""
+    server = RedisServer(str(tmp_path))
+    server.start()
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="session")

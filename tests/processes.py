@@ -1,8 +1,15 @@
-"""Starting and stopping the service's real processes (`python -m api`, `python -m worker`) in tests."""
+"""Starting and stopping real processes in tests: a private redis-server, the service's own
+(`python -m api`, `python -m worker`), and waiting on them.
+
+Every test against real processes builds its stack from these pieces, so that a port, a log or a
+stop works the same in all of them (and `free_port` comes from here: serve.py, which owns it, may
+move it without touching every test).
+"""
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -10,14 +17,52 @@ import urllib.error
 import urllib.request
 from dataclasses import fields
 from pathlib import Path
+from typing import Optional, Sequence
+from urllib.parse import urlparse
 
 import openai
 import pytest
 import redis
 
+from serve import free_port, wait_for_redis
 from shared.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+class RedisServer:
+    """A private redis-server on a free port, which a test may stop and start again.
+
+    `url` and `extra_args` (appended, so they win) make another kind: one with a password
+    (`--requirepass`), or TLS on the URL's port (`--port 0 --tls-port ...`). Its output: `log`.
+    """
+
+    def __init__(self, directory: str, url: Optional[str] = None, extra_args: Sequence[str] = ()):
+        self.url = url or f"redis://127.0.0.1:{free_port()}/0"
+        self.port = urlparse(self.url).port
+        self.directory = directory
+        self.extra_args = list(extra_args)
+        self.log = Path(directory) / "redis-server.log"
+        self.process = None
+
+    def start(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            pytest.fail("redis-server is not installed (the test command installs it: see .ci/run)")
+        with open(self.log, "ab") as log:
+            self.process = subprocess.Popen(
+                [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                 "--dir", self.directory, *self.extra_args], stdout=log, stderr=subprocess.STDOUT)
+        wait_for_redis(self.url)
+
+    def stop(self) -> None:
+        if self.process:
+            self.process.terminate()
+            self.process.wait(10)
+            self.process = None
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.url)
 
 
 def _env(**extra) -> dict:
@@ -44,6 +89,20 @@ def default_worker(redis_url: str, log_dir: Path, name: str, *flags: str, **env)
     """The worker a new user gets: no --model, no --dtype (the packaged SmolLM2 GGUF, the default
     dtype and kernels); `flags` only for what does not touch its numbers (a metrics port)."""
     return start(["worker", *flags], log_dir, name, REDIS_URL=redis_url, **env)
+
+
+def tiny_worker(model_dir: str, server: RedisServer, log_dir: Path, name: str, *flags: str, **env
+                ) -> subprocess.Popen:
+    """A worker on one of the tiny models (tests/tiny_models.py), in float32, that waits up to
+    5 ms for a batch to fill; `flags` add to its command line."""
+    return start(["worker", "--model", model_dir, "--dtype", "float32", "--wait", "5", *flags], log_dir, name,
+                 REDIS_URL=server.url, **env)
+
+
+def start_api(server: RedisServer, log_dir: Path, name: str, *flags: str, **env) -> tuple[int, subprocess.Popen]:
+    """The API on a free port, on the server's Redis: (its port, its process)."""
+    port = free_port()
+    return port, start(["api", "--port", str(port), "--redis-url", server.url, *flags], log_dir, name, **env)
 
 
 def stop(proc: subprocess.Popen, timeout: float = 15) -> int:

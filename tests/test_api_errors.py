@@ -10,7 +10,7 @@ from api.app import create_app
 from shared import keys
 from shared.protocol import Final, Job, WorkerInfo, encode_result
 from shared.settings import Settings
-from serve import free_port
+from tests.processes import free_port
 from tests.tiny_models import tiny_tokenizer
 from worker import model_loader
 from worker.job_queue import JobQueue

@@ -13,11 +13,9 @@ import redis
 import api.__main__
 from api import auth
 from api.app import create_app
-from serve import free_port
 from shared import keys
 from shared.settings import Settings
-from tests.conftest import RedisServer
-from tests.processes import get_json, logs, make_client, start, stop, wait_until
+from tests.processes import RedisServer, free_port, get_json, logs, make_client, start, stop, wait_until
 
 KEYS = "key-alpha-1234567890,key-beta-0987654321"
 ALPHA, BETA = KEYS.split(",")

@@ -16,9 +16,8 @@ import time
 
 import pytest
 
-from serve import free_port
-from tests.conftest import RedisServer
-from tests.processes import ROOT, logs, make_client, models_served, start, stop, wait_until
+from tests.processes import (ROOT, RedisServer, logs, make_client, models_served, start, start_api, stop, tiny_worker,
+                             wait_until)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -34,11 +33,10 @@ def service(tiny_model_dirs, tmp_path_factory):
     files_dir = str(log_dir / "files")
     server = RedisServer(str(log_dir))
     server.start()
-    port = free_port()
+    port, api = start_api(server, log_dir, "api", "--files-dir", files_dir)
     procs = [
-        start(["api", "--port", str(port), "--redis-url", server.url, "--files-dir", files_dir], log_dir, "api"),
-        start(["worker", "--model", tiny_model_dirs["llama"], "--dtype", "float32", "--wait", "5", "--batch", "8"],
-              log_dir, "worker", REDIS_URL=server.url),
+        api,
+        tiny_worker(tiny_model_dirs["llama"], server, log_dir, "worker", "--batch", "8"),
         start(["batch", "--redis-url", server.url, "--api-url", f"http://127.0.0.1:{port}/v1",
                "--batch-concurrency", str(BATCH_CONCURRENCY), "--files-dir", files_dir], log_dir, "batch-worker"),
     ]

@@ -8,13 +8,13 @@ import time
 import openai
 import pytest
 
-from serve import free_port
 from shared import keys
 from shared import metrics as names
 from shared.protocol import Failure, decode_result
-from tests.processes import get_json, logs, make_client, models_served, stop, wait_until
+from tests.processes import (free_port, get_json, logs, make_client, models_served, start_api, stop, tiny_worker,
+                             wait_until)
 from tests.test_metrics import grew, scrape, value
-from tests.test_reliability import MODEL, Paused, _api, _worker, redis_alone  # noqa: F401 (a fixture)
+from tests.test_reliability import MODEL, Paused
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -31,9 +31,9 @@ def _worker_started(port: int) -> float:
 def test_a_worker_ten_minutes_ahead_answers_live_jobs_and_their_queue_wait_is_seconds(
         redis_alone, tiny_model_dirs, tmp_path):
     worker_port = free_port()
-    worker = _worker(tiny_model_dirs["llama"], redis_alone, tmp_path, "worker", "--metrics-port", str(worker_port),
-                     CLOCK_SKEW_S=str(TEN_MINUTES))
-    port, api = _api(redis_alone, tmp_path, "api")
+    worker = tiny_worker(tiny_model_dirs["llama"], redis_alone, tmp_path, "worker", "--metrics-port", str(worker_port),
+                         CLOCK_SKEW_S=str(TEN_MINUTES))
+    port, api = start_api(redis_alone, tmp_path, "api")
     worker_metrics = f"http://127.0.0.1:{worker_port}/metrics"
     try:
         wait_until(lambda: MODEL in models_served(port), [worker, api], "the stack")
@@ -57,9 +57,9 @@ def test_a_worker_ten_minutes_ahead_answers_live_jobs_and_their_queue_wait_is_se
 
 def test_a_worker_ten_minutes_behind_drops_a_job_whose_deadline_passed(redis_alone, tiny_model_dirs, tmp_path):
     worker_port = free_port()
-    worker = _worker(tiny_model_dirs["llama"], redis_alone, tmp_path, "worker", "--metrics-port", str(worker_port),
-                     CLOCK_SKEW_S=str(-TEN_MINUTES))
-    port, api = _api(redis_alone, tmp_path, "api", "--request-timeout", "2")
+    worker = tiny_worker(tiny_model_dirs["llama"], redis_alone, tmp_path, "worker", "--metrics-port", str(worker_port),
+                         CLOCK_SKEW_S=str(-TEN_MINUTES))
+    port, api = start_api(redis_alone, tmp_path, "api", "--request-timeout", "2")
     worker_metrics = f"http://127.0.0.1:{worker_port}/metrics"
     redis_client = redis_alone.client()
     try:

@@ -31,12 +31,11 @@ import openai
 import pytest
 import redis
 
-from serve import free_port
 from api.broker import ShardedSubscriber
 from shared import keys
 from shared.protocol import Final, Job, SamplingParams, decode_result
 from shared.redis_client import connect
-from tests.processes import get_json, logs, make_client, start, stop, wait_for_servers, wait_until
+from tests.processes import free_port, get_json, logs, make_client, start, stop, wait_for_servers, wait_until
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 

@@ -23,11 +23,10 @@ import redis
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from serve import free_port
 from shared import keys
 from shared.protocol import WorkerInfo
-from tests.conftest import RedisServer
-from tests.processes import ROOT, _env, get_json, logs, make_client, models_served, start, stop, wait_until
+from tests.processes import (ROOT, RedisServer, _env, free_port, get_json, logs, make_client, models_served,
+                             start, stop, wait_until)
 from tests.test_deploy import (METRIC, alert_exprs, copied_folders, dashboard_exprs, healthcheck_of,
                                requirement_lines, split_name)
 

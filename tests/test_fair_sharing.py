@@ -21,12 +21,11 @@ from dataclasses import replace
 
 import pytest
 
-from serve import free_port
 from shared import keys
 from shared.protocol import Job, SamplingParams, WorkerInfo
 from shared.settings import Settings
 from tests.engines import make_engine
-from tests.processes import logs, make_client, models_served, start, stop, wait_until
+from tests.processes import logs, make_client, models_served, start, start_api, stop, wait_until
 from worker.job_queue import JobQueue
 from worker.worker import ADMIT_ROUNDS, Worker
 
@@ -220,14 +219,12 @@ class Stack:
 def stack(redis_server, tiny_model_dirs, tmp_path_factory):
     redis_server.client().flushdb()
     log_dir = tmp_path_factory.mktemp("fair-sharing-logs")
-    port = free_port()
     beat = dict(REDIS_URL=redis_server.url, HEARTBEAT_S=str(BEAT_S))
     fast = start(["worker", "--model", tiny_model_dirs["llama"], *WORKER_ARGS], log_dir, "fast", **beat)
     slow = start(["worker", "--model", tiny_model_dirs["llama"], *WORKER_ARGS], log_dir, "slow",
                  STEP_DELAY_S=str(SLOW_STEP_S), **beat)
     gpt2 = start(["worker", "--model", tiny_model_dirs["gpt2"], *WORKER_ARGS], log_dir, "gpt2", **beat)
-    api = start(["api", "--port", str(port), "--redis-url", redis_server.url, "--max-queue", "0"],
-                log_dir, "api")
+    port, api = start_api(redis_server, log_dir, "api", "--max-queue", "0")
     procs = [fast, slow, gpt2, api]
     try:
         stack = Stack(redis_server, port, procs, fast, slow, gpt2)

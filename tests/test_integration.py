@@ -24,8 +24,7 @@ from transformers import AutoTokenizer
 
 from shared import keys
 from shared.protocol import Final, Job, SamplingParams, decode_result
-from serve import free_port
-from tests.processes import get_json, logs, make_client, models_served, start, stop, wait_until
+from tests.processes import get_json, logs, make_client, models_served, start_api, stop, tiny_worker, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,11 +49,9 @@ class Stack:
 def stack(redis_server, tiny_model_dirs, tmp_path_factory):
     redis_server.client().flushdb()  # no stale workers or queues from other tests
     log_dir = tmp_path_factory.mktemp("stack-logs")
-    port = free_port()
-    worker = start(["worker", "--model", tiny_model_dirs["llama"], "--dtype", "float32", "--batch", "16",
-                    "--wait", "5"], log_dir, "worker", REDIS_URL=redis_server.url)
+    worker = tiny_worker(tiny_model_dirs["llama"], redis_server, log_dir, "worker", "--batch", "16")
     # No cap on the queue: these tests are about answers, not backpressure (tests/test_reliability.py).
-    api = start(["api", "--port", str(port), "--redis-url", redis_server.url, "--max-queue", "0"], log_dir, "api")
+    port, api = start_api(redis_server, log_dir, "api", "--max-queue", "0")
     try:
         wait_until(lambda: MODEL in models_served(port), [worker, api], f"/v1/models to list {MODEL}")
         yield Stack(redis_server, port, worker, api)

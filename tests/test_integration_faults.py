@@ -13,9 +13,8 @@ import openai
 import pytest
 
 from shared import keys
-from serve import free_port
-from tests.conftest import RedisServer
-from tests.processes import get_json, logs, make_client, models_served, start, stop, wait_until
+from tests.processes import (RedisServer, get_json, logs, make_client, models_served, start, start_api, stop,
+                             tiny_worker, wait_until)
 from tests.test_integration import MODEL, finish_reasons, stack  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.timeout(120)
@@ -26,8 +25,7 @@ pytestmark = pytest.mark.timeout(120)
 def test_no_worker_then_redis_down_give_fast_503(tmp_path):
     server = RedisServer(str(tmp_path))
     server.start()
-    port = free_port()
-    api = start(["api", "--port", str(port), "--redis-url", server.url], tmp_path, "api")
+    port, api = start_api(server, tmp_path, "api")
     try:
         wait_until(lambda: get_json(f"http://127.0.0.1:{port}/health")[0] == 200, [api], "/health")
         client = make_client(port)
@@ -130,10 +128,8 @@ def test_stream_survives_worker_killed_mid_job(stack, tiny_model_dirs, tmp_path)
 def test_worker_outlives_a_redis_restart(tiny_model_dirs, tmp_path):
     server = RedisServer(str(tmp_path))
     server.start()
-    port = free_port()
-    worker = start(["worker", "--model", tiny_model_dirs["llama"], "--dtype", "float32"], tmp_path, "worker",
-                   REDIS_URL=server.url)
-    api = start(["api", "--port", str(port), "--redis-url", server.url], tmp_path, "api")
+    worker = tiny_worker(tiny_model_dirs["llama"], server, tmp_path, "worker")
+    port, api = start_api(server, tmp_path, "api")
     try:
         wait_until(lambda: MODEL in models_served(port), [worker, api], "the worker")
         server.stop()

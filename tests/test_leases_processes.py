@@ -12,8 +12,8 @@ import time
 import pytest
 
 from shared import keys
-from tests.processes import logs, make_client, models_served, stop, wait_until
-from tests.test_reliability import MODEL, _api, _live_ids, _worker, redis_alone  # noqa: F401 (a fixture)
+from tests.processes import logs, make_client, models_served, start_api, stop, tiny_worker, wait_until
+from tests.test_reliability import MODEL, _live_ids
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -24,15 +24,15 @@ def _finals(messages: list, channel: bytes) -> int:
 
 def test_a_worker_cut_off_mid_stream_drops_its_job_and_the_client_gets_the_text_once(
         redis_alone, tiny_model_dirs, tmp_path):
-    port, api = _api(redis_alone, tmp_path, "api")
-    first = _worker(tiny_model_dirs["llama"], redis_alone, tmp_path, "first")
+    port, api = start_api(redis_alone, tmp_path, "api")
+    first = tiny_worker(tiny_model_dirs["llama"], redis_alone, tmp_path, "first")
     second = None
     procs = [api, first]
     redis = redis_alone.client()
     try:
         wait_until(lambda: MODEL in models_served(port), procs, "the first worker")
         (first_id,) = _live_ids(redis)
-        second = _worker(tiny_model_dirs["llama"], redis_alone, tmp_path, "second")
+        second = tiny_worker(tiny_model_dirs["llama"], redis_alone, tmp_path, "second")
         procs.append(second)
         wait_until(lambda: len(_live_ids(redis)) == 2, procs, "the second worker")
         client = make_client(port)

@@ -17,7 +17,7 @@ import redis
 from shared import keys
 from shared.protocol import Final, Job, SamplingParams, WorkerInfo, decode_result
 from shared.settings import Settings
-from tests.conftest import RedisServer
+from tests.processes import RedisServer
 from tests.test_job_queue import MODEL, _ids, _push
 from tests.test_leases import _listen
 from tests.tiny_models import tiny_tokenizer

@@ -25,12 +25,10 @@ import redis
 
 from api import broker
 from api.broker import RESUBSCRIBED, Subscriber
-from serve import free_port
 from shared import keys
 from shared.protocol import Final, TextDelta, encode_result
 from shared.settings import Settings
-from tests.conftest import RedisServer
-from tests.processes import get_json, logs, start, stop, wait_until
+from tests.processes import RedisServer, get_json, logs, start_api, stop, wait_until
 from tests.test_api_errors import MODEL, _register_worker
 
 pytestmark = pytest.mark.timeout(300)
@@ -137,10 +135,9 @@ def test_one_api_process_holds_2000_slow_streams_with_bounded_redis_connections(
                                                     else min(PLAYERS + 1024, hard), hard))
     server = RedisServer(str(tmp_path))
     server.start()
-    port = free_port()
     # As in production (the default worker class, gevent); no cap on the queue: the stand-in
     # worker announces a batch of 4, whose automatic cap would refuse most of the crowd.
-    api = start(["api", "--port", str(port), "--redis-url", server.url, "--max-queue", "0"], tmp_path, "api")
+    port, api = start_api(server, tmp_path, "api", "--max-queue", "0")
     seen = {}
 
     def all_held():  # every player is waiting now: what the API process holds

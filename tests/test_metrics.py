@@ -19,12 +19,12 @@ from redis.retry import Retry
 
 import api.__main__
 from api.app import create_app
-from serve import free_port
 from shared import keys
 from shared import metrics as names
 from shared.protocol import Failure, Final, Job, SamplingParams, TextDelta, encode_result
 from shared.settings import Settings
 from tests.engines import make_engine
+from tests.processes import free_port
 from tests.test_api_errors import MODEL as FAKE_MODEL, _register_worker, next_job
 from worker.metrics import EngineCollector, WorkerMetrics
 from worker.static_engine import StaticEngine

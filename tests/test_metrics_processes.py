@@ -19,12 +19,12 @@ import openai
 import pytest
 import yaml
 
-from serve import free_port
 from shared import keys
 from shared import metrics as names
-from tests.processes import ROOT, get_json, logs, make_client, models_served, start, stop, wait_until
+from tests.processes import (ROOT, free_port, get_json, logs, make_client, models_served, start_api, stop, tiny_worker,
+                             wait_until)
 from tests.test_metrics import grew, scrape, value
-from tests.test_reliability import MODEL, Paused, _worker, redis_alone  # noqa: F401 (a fixture)
+from tests.test_reliability import MODEL, Paused
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -54,16 +54,15 @@ def _depth(samples: dict) -> float:
 def test_metrics_follow_the_queue_the_answers_and_the_errors(redis_alone, tiny_model_dirs, tmp_path):
     worker_port = free_port()
     # A KV cache of 64 tokens: a request for 100 tokens is refused by the worker (a 500).
-    worker = _worker(tiny_model_dirs["llama"], redis_alone, tmp_path, "worker", "--metrics-port", str(worker_port),
-                     "--kv-blocks", "4", "--block-size", "16")
+    worker = tiny_worker(tiny_model_dirs["llama"], redis_alone, tmp_path, "worker", "--metrics-port", str(worker_port),
+                         "--kv-blocks", "4", "--block-size", "16")
     # PROMETHEUS_MULTIPROC_DIR given: the API empties it of an earlier run's files (this one would
     # not even parse) and counts there.
     counted_in = tmp_path / "api-metrics"
     counted_in.mkdir()
     (counted_in / "counter_1.db").write_bytes(b"left over")
-    port = free_port()
-    api = start(["api", "--port", str(port), "--redis-url", redis_alone.url, "--api-workers", "2",
-                 "--max-queue", "2"], tmp_path, "api", PROMETHEUS_MULTIPROC_DIR=str(counted_in))
+    port, api = start_api(redis_alone, tmp_path, "api", "--api-workers", "2", "--max-queue", "2",
+                          PROMETHEUS_MULTIPROC_DIR=str(counted_in))
     procs = [worker, api]
     api_metrics, worker_metrics = f"http://127.0.0.1:{port}/metrics", f"http://127.0.0.1:{worker_port}/metrics"
     pool = ThreadPoolExecutor(2)
@@ -264,12 +263,10 @@ FIRED_HERE = ("StorytellerShedding", "StorytellerNoWorkerAlive", "StorytellerMod
 def test_prometheus_scrapes_everything_the_dashboard_and_the_alerts_ask_for(redis_alone, tiny_model_dirs, tmp_path):
     alerts, exprs = alert_rules(), dashboard_exprs()
     assert set(FIRED_HERE) <= set(alerts), f"the alert rules changed: {sorted(alerts)}"
-    port = free_port()
+    port, api = start_api(redis_alone, tmp_path, "api", "--api-workers", "2", "--max-queue", "2", "--worker-grace", "1")
     worker_ports = [free_port(), free_port()]
-    api = start(["api", "--port", str(port), "--redis-url", redis_alone.url, "--api-workers", "2",
-                 "--max-queue", "2", "--worker-grace", "1"], tmp_path, "api")
     prometheus, prometheus_proc = _start_prometheus(tmp_path, port, worker_ports)  # from the start: for deriv()
-    workers = [_worker(tiny_model_dirs["llama"], redis_alone, tmp_path, f"worker{i}", "--metrics-port", str(p))
+    workers = [tiny_worker(tiny_model_dirs["llama"], redis_alone, tmp_path, f"worker{i}", "--metrics-port", str(p))
                for i, p in enumerate(worker_ports)]
     procs = [api, prometheus_proc, *workers]
     pool = ThreadPoolExecutor(2)

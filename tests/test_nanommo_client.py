@@ -11,9 +11,7 @@ import sys
 
 import pytest
 
-from serve import free_port
-from tests.conftest import RedisServer
-from tests.processes import ROOT, get_json, start, stop, wait_until
+from tests.processes import ROOT, RedisServer, free_port, get_json, start, stop, tiny_worker, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -32,8 +30,7 @@ def stack(tiny_model_dirs, tmp_path_factory):
     open_port, limited_port = free_port(), free_port()
     keys = f"{KEY},{LIMITED_KEY}"
     procs = [
-        start(["worker", "--model", tiny_model_dirs["llama"], "--dtype", "float32", "--batch", "8"],
-              log_dir, "worker", REDIS_URL=server.url),
+        tiny_worker(tiny_model_dirs["llama"], server, log_dir, "worker", "--batch", "8"),
         start(["api", "--port", str(open_port)], log_dir, "api", REDIS_URL=server.url, API_KEYS=keys),
         start(["api", "--port", str(limited_port)], log_dir, "api-limited", REDIS_URL=server.url,
               API_KEYS=keys, RATE_LIMIT="1"),

@@ -25,9 +25,8 @@ import schemathesis
 
 from api.app import create_app
 from api.openapi import document
-from serve import free_port
 from shared.settings import Settings
-from tests.processes import get_json, logs, make_client, models_served, start, stop, wait_until
+from tests.processes import get_json, logs, make_client, models_served, start_api, stop, tiny_worker, wait_until
 
 MODEL = "tiny-llama"  # the worker names the model after its directory's basename
 CHECKS = ["not_a_server_error", "status_code_conformance", "content_type_conformance",
@@ -196,10 +195,8 @@ def _unfinished_streams(entries: list[dict], hung_up_after: int = 0) -> list[str
 @pytest.mark.timeout(FUZZ_SECONDS + 150)
 def test_the_running_api_answers_as_its_description_says(redis_server, tiny_model_dirs, tmp_path):
     redis_server.client().flushdb()  # no workers or queues left by other tests
-    port = free_port()
-    worker = start(["worker", "--model", tiny_model_dirs["llama"], "--dtype", "float32", "--batch", "16",
-                    "--wait", "5"], tmp_path, "worker", REDIS_URL=redis_server.url)
-    api = start(["api", "--port", str(port), "--redis-url", redis_server.url], tmp_path, "api")
+    worker = tiny_worker(tiny_model_dirs["llama"], redis_server, tmp_path, "worker", "--batch", "16")
+    port, api = start_api(redis_server, tmp_path, "api")
     passes: dict[str, subprocess.Popen] = {}
     try:
         wait_until(lambda: MODEL in models_served(port), [worker, api], f"/v1/models to list {MODEL}")

@@ -10,11 +10,10 @@ import pytest
 import redis
 
 import api.__main__
-from serve import ensure_redis, free_port
+from serve import ensure_redis
 from shared.redis_client import connect, explain, masked
 from shared.settings import Settings
-from tests.conftest import RedisServer
-from tests.processes import get_json, logs, make_client, start, stop, wait_until
+from tests.processes import RedisServer, free_port, get_json, logs, make_client, start, stop, wait_until
 
 PASSWORD = "s3cret-Pa55 word"  # a space too: it must survive the URL (%20) and redis.conf quoting
 QUOTED = PASSWORD.replace(" ", "%20")

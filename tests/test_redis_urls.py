@@ -7,10 +7,11 @@ import pytest
 import redis
 from redis.sentinel import SentinelConnectionPool
 
-from serve import ensure_redis, free_port
+from serve import ensure_redis
 from shared.redis_client import (SENTINEL_TIMEOUT_S, ClusterURL, SentinelURL, as_cluster, connect, is_cluster,
                                  is_sentinel, masked, parse_cluster, parse_sentinel)
 from shared.settings import Settings
+from tests.processes import free_port
 
 PASSWORD = "s3cret-Pa55 word"
 QUOTED = PASSWORD.replace(" ", "%20")

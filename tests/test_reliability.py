@@ -12,32 +12,13 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from serve import free_port
 from shared import keys
-from tests.conftest import RedisServer
-from tests.processes import get_json, logs, make_client, models_served, start, stop, wait_until
+from tests.processes import (RedisServer, get_json, logs, make_client, models_served, start_api, stop, tiny_worker,
+                             wait_until)
 
 pytestmark = pytest.mark.timeout(180)
 
 MODEL = "tiny-llama"
-
-
-@pytest.fixture
-def redis_alone(tmp_path):
-    server = RedisServer(str(tmp_path))
-    server.start()
-    yield server
-    server.stop()
-
-
-def _worker(model_dir: str, server: RedisServer, log_dir, name: str, *flags: str, **env):
-    return start(["worker", "--model", model_dir, "--dtype", "float32", "--wait", "5", *flags], log_dir, name,
-                 REDIS_URL=server.url, **env)
-
-
-def _api(server: RedisServer, log_dir, name: str, *flags: str):
-    port = free_port()
-    return port, start(["api", "--port", str(port), "--redis-url", server.url, *flags], log_dir, name)
 
 
 def _live_ids(client) -> list[str]:
@@ -84,8 +65,8 @@ def _freeze_while_busy(proc, client, api) -> None:
 @pytest.mark.parametrize("api_processes", [1, 2])
 def test_a_crowd_beyond_the_cap_gets_429_at_once_and_nothing_accepted_is_lost(
         redis_alone, tiny_model_dirs, tmp_path, api_processes):
-    worker = _worker(tiny_model_dirs["llama"], redis_alone, tmp_path, "worker")
-    apis = [_api(redis_alone, tmp_path, f"api{i}", "--max-queue", "20") for i in range(api_processes)]
+    worker = tiny_worker(tiny_model_dirs["llama"], redis_alone, tmp_path, "worker")
+    apis = [start_api(redis_alone, tmp_path, f"api{i}", "--max-queue", "20") for i in range(api_processes)]
     procs = [worker] + [p for _, p in apis]
     try:
         wait_until(lambda: all(MODEL in models_served(port) for port, _ in apis), procs, "the stack")
@@ -127,8 +108,8 @@ def test_a_crowd_beyond_the_cap_gets_429_at_once_and_nothing_accepted_is_lost(
 
 
 def test_a_rolling_restart_of_the_only_worker_answers_every_request(redis_alone, tiny_model_dirs, tmp_path):
-    port, api = _api(redis_alone, tmp_path, "api", "--max-queue", "0")
-    old = _worker(tiny_model_dirs["llama"], redis_alone, tmp_path, "old", "--batch", "2")
+    port, api = start_api(redis_alone, tmp_path, "api", "--max-queue", "0")
+    old = tiny_worker(tiny_model_dirs["llama"], redis_alone, tmp_path, "old", "--batch", "2")
     new = None
     try:
         wait_until(lambda: MODEL in models_served(port), [old, api], "the stack")
@@ -148,7 +129,7 @@ def test_a_rolling_restart_of_the_only_worker_answers_every_request(redis_alone,
                 client.completions.create(model=MODEL, prompt="Late", max_tokens=2)
             assert no_worker.value.status_code == 503
             assert int(no_worker.value.response.headers["retry-after"]) >= 1
-            new = _worker(tiny_model_dirs["llama"], redis_alone, tmp_path, "new")
+            new = tiny_worker(tiny_model_dirs["llama"], redis_alone, tmp_path, "new")
             answers = [f.result(timeout=90) for f in futures]
     finally:
         stop(api), stop(old)
@@ -168,14 +149,14 @@ def test_a_rolling_restart_of_the_only_worker_answers_every_request(redis_alone,
 def test_a_job_that_kills_its_worker_fails_after_its_retries_and_the_rest_complete(
         redis_alone, tiny_model_dirs, tmp_path):
     poison = [7, 7, 7, 7, 7]
-    port, api = _api(redis_alone, tmp_path, "api")
+    port, api = start_api(redis_alone, tmp_path, "api")
     started = []
 
     def supervise():  # restarts the worker whenever it dies, as compose's `restart: always` would
         while not stopping.is_set():
             if not started or started[-1].poll() is not None:
-                started.append(_worker(tiny_model_dirs["llama"], redis_alone, tmp_path, f"w{len(started)}",
-                                       "--batch", "8", "--wait", "300", CRASH_ON_PROMPT="7,7,7,7,7"))
+                started.append(tiny_worker(tiny_model_dirs["llama"], redis_alone, tmp_path, f"w{len(started)}",
+                                           "--batch", "8", "--wait", "300", CRASH_ON_PROMPT="7,7,7,7,7"))
             time.sleep(0.2)
 
     stopping = threading.Event()
@@ -212,8 +193,8 @@ def test_requests_in_flight_ride_out_a_redis_restart(tiny_model_dirs, tmp_path):
     # A Redis that keeps its data on disk, as the compose file's does: the queue survives it.
     server = RedisServer(str(tmp_path), extra_args=("--appendonly", "yes", "--appendfsync", "always"))
     server.start()
-    port, api = _api(server, tmp_path, "api")
-    worker = _worker(tiny_model_dirs["llama"], server, tmp_path, "worker")
+    port, api = start_api(server, tmp_path, "api")
+    worker = tiny_worker(tiny_model_dirs["llama"], server, tmp_path, "worker")
     try:
         wait_until(lambda: MODEL in models_served(port), [worker, api], "the stack")
         client = make_client(port)

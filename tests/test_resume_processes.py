@@ -17,12 +17,11 @@ from typing import Callable, NamedTuple
 
 import pytest
 
-from serve import free_port
 from shared import keys
 from shared import metrics as names
-from tests.processes import default_worker, logs, make_client, stop, wait_until
+from tests.processes import default_worker, free_port, logs, make_client, start_api, stop, tiny_worker, wait_until
 from tests.test_metrics import scrape, value
-from tests.test_reliability import MODEL, _api, _worker, redis_alone  # noqa: F401 (a fixture)
+from tests.test_reliability import MODEL
 from worker.model_loader import PACKAGED_NAME
 
 pytestmark = pytest.mark.timeout(240)
@@ -42,7 +41,7 @@ class Pool(NamedTuple):
 @pytest.fixture(params=["tiny-llama", pytest.param("smollm2", marks=pytest.mark.slow)])
 def pool(request, tiny_model_dirs) -> Pool:
     if request.param == "tiny-llama":
-        return Pool(MODEL, 48, lambda server, log_dir, name, port: _worker(
+        return Pool(MODEL, 48, lambda server, log_dir, name, port: tiny_worker(
             tiny_model_dirs["llama"], server, log_dir, name, "--metrics-port", str(port), STEP_DELAY_S=STEP_DELAY_S),
             load_s=90)
     request.getfixturevalue("kernel")  # built once, before two workers would each build it
@@ -85,7 +84,7 @@ def holding(client, model: str) -> dict[int, int]:
 
 
 def test_a_worker_killed_mid_stream_its_jobs_resume_on_the_other(pool, redis_alone, tmp_path):
-    port, api = _api(redis_alone, tmp_path, "api")
+    port, api = start_api(redis_alone, tmp_path, "api")
     metrics_ports = [free_port(), free_port()]
     workers = [pool.start(redis_alone, tmp_path, f"worker{i}", p) for i, p in enumerate(metrics_ports)]
     procs = [api, *workers]

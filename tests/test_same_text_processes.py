@@ -13,8 +13,7 @@ import pytest
 
 from shared import keys
 from shared.protocol import WorkerInfo
-from tests.processes import default_worker, logs, make_client, stop, wait_until
-from tests.test_reliability import _api, redis_alone  # noqa: F401 (a fixture)
+from tests.processes import default_worker, logs, make_client, start_api, stop, wait_until
 from tests.test_resume_processes import holding
 from worker.model_loader import PACKAGED_NAME
 
@@ -68,7 +67,7 @@ def _numerics(client, pid: int) -> str:
 
 
 def test_two_default_workers_started_one_after_the_other_write_the_same_texts(redis_alone, tmp_path, kernel):
-    port, api = _api(redis_alone, tmp_path, "api")
+    port, api = start_api(redis_alone, tmp_path, "api")
     client, crowd, written, fingerprints = make_client(port), _crowd(), [], []
     try:
         for name in ("A", "B"):  # one at a time: B starts after A is gone

@@ -20,10 +20,10 @@ import pytest
 import redis
 from rq import Queue, SimpleWorker
 
-from serve import free_port
 from shared import keys
 from shared.redis_client import connect
-from tests.processes import get_json, logs, make_client, models_served, start, stop, wait_for_servers, wait_until
+from tests.processes import (free_port, get_json, logs, make_client, models_served, start, stop,
+                             wait_for_servers, wait_until)
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from serve import ensure_redis, free_port, port_is_free
+from serve import ensure_redis, port_is_free
 from shared import keys
-from tests.processes import ROOT, _env
+from tests.processes import ROOT, _env, free_port
 
 READY_TIMEOUT_S = 120  # a worker of the tiny model is ready in a few seconds on an idle machine
 EXIT_TIMEOUT_S = 60

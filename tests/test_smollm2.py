@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from shared.protocol import Job, SamplingParams
-from serve import free_port
 from tests.engines import write
-from tests.processes import default_worker, make_client, models_served, start, stop, wait_until
+from tests.processes import default_worker, make_client, models_served, start_api, stop, wait_until
 from shared.settings import Settings
 from worker.continuous import engine as continuous
 from worker.model_loader import PACKAGED, PACKAGED_NAME, load
@@ -54,9 +53,8 @@ def test_smollm2_writes_an_english_story(smollm2):
 
 def test_the_default_service_tells_stories_to_the_openai_client(redis_server, tmp_path):
     # What a new user gets: the default worker (no --model) and the API, driven by OpenAI's client.
-    port = free_port()
     worker = default_worker(redis_server.url, tmp_path, "worker", OMP_NUM_THREADS="2")
-    api = start(["api", "--port", str(port), "--redis-url", redis_server.url], tmp_path, "api")
+    port, api = start_api(redis_server, tmp_path, "api")
     try:
         wait_until(lambda: PACKAGED_NAME in models_served(port), [worker, api], "SmolLM2 to load", timeout=240)
         client = make_client(port)

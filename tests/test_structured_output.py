@@ -18,9 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jsonschema
 import pytest
 
-from serve import free_port
-from tests.conftest import RedisServer
-from tests.processes import default_worker, make_client, start, stop, wait_until
+from tests.processes import RedisServer, default_worker, make_client, start_api, stop, wait_until
 from tests.test_integration import MODEL, client, stack  # noqa: F401 (a real stack's fixtures, reused)
 from tests.test_resume_processes import holding
 from worker.model_loader import PACKAGED_NAME
@@ -126,8 +124,7 @@ def smollm2(tmp_path_factory, kernel):
     directory = tmp_path_factory.mktemp("smollm2-stack")
     server = RedisServer(str(directory))
     server.start()
-    port = free_port()
-    api = start(["api", "--port", str(port), "--redis-url", server.url], directory, "api")
+    port, api = start_api(server, directory, "api")
     worker = default_worker(server.url, directory, "worker")
     try:
         wait_until(lambda: worker.pid in holding(server.client(), PACKAGED_NAME), [api, worker],
