@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 
 from shared.protocol import Job, SamplingParams
+from shared.settings import Settings
 from worker.continuous.block_manager import BlockManager
+from worker.continuous.config import EngineConfig
 from worker.continuous.request import Request, Status
 from worker.continuous.scheduler import FILL_ATTENTION, MIN_PROMPT_SHARE, PROMPT_TOKENS_PER_DECODE, Scheduler
 from worker.sequence import Sequence
@@ -29,31 +32,30 @@ def decoding(s: Scheduler, count: int, max_tokens: int = 50) -> list[Request]:
     players = [request(2, max_tokens) for _ in range(count)]
     for p in players:
         s.add(p)
-    run(s.schedule())
+    run(s, s.schedule())
     return players
 
 
-def run(plan):
-    """What the engine does after the model ran: count the computed tokens, give ends a token."""
-    for req, count in plan:
-        req.computed += count
-        if req.computed == len(req.tokens):
-            req.append(1)
-            req.status = Status.DECODING
+def run(s: Scheduler, plan):
+    """A step after schedule(), the model stood in for: token 1 for each request the plan brings to
+    its end. The bookkeeping is the scheduler's own, as the engine calls it (postprocess)."""
+    produced = [(req, 1, None) for req, count in plan if req.computed + count == len(req.tokens)]
+    return s.postprocess(plan, produced, elapsed_s=0.0)
 
 
 def scheduler(policy="fifo", blocks=100, budget=16, block_size=4, margin=0, prefill_chunk=0, step_fill=0):
-    return Scheduler(BlockManager(blocks, block_size, prefix_caching=False), budget, 64, policy, margin,
-                     prefill_chunk, step_fill)
+    config = replace(EngineConfig.from_settings(Settings()), max_batch_tokens=budget, scheduler=policy,
+                     prefill_chunk=prefill_chunk, step_fill=step_fill)
+    return Scheduler(BlockManager(blocks, block_size, prefix_caching=False), config, 64, margin)
 
 
 def test_fifo_runs_decodes_then_ongoing_prefills_then_new_requests():
     s = scheduler("fifo", budget=16)
     decoding, long_prompt = request(3), request(40)
     s.add(decoding)
-    run(s.schedule())  # prefilled, now decoding
+    run(s, s.schedule())  # prefilled, now decoding
     s.add(long_prompt)
-    run(s.schedule())  # decode + first chunk of the long prompt (15 tokens)
+    run(s, s.schedule())  # decode + first chunk of the long prompt (15 tokens)
     newcomer = request(5)
     s.add(newcomer)
     plan = s.schedule()
@@ -65,15 +67,15 @@ def test_prefill_first_gives_the_budget_to_prompts_before_decodes():
     s = scheduler("prefill-first", budget=8)
     decoding = request(3)
     s.add(decoding)
-    run(s.schedule())
+    run(s, s.schedule())
     long_prompt = request(20)
     s.add(long_prompt)
     plan = s.schedule()
     assert plan == [(long_prompt, 8)], "the whole budget went to the prompt"
-    run(plan)
+    run(s, plan)
     plan = s.schedule()
     assert plan == [(long_prompt, 8)]
-    run(plan)
+    run(s, plan)
     plan = s.schedule()
     assert plan == [(decoding, 1), (long_prompt, 4)], "decodes first in the list, with what is left"
 
@@ -83,7 +85,7 @@ def test_a_long_prompt_is_chunked_and_the_others_keep_decoding():
     players = [request(2) for _ in range(4)]
     for p in players:
         s.add(p)
-    run(s.schedule())
+    run(s, s.schedule())
     long_prompt = request(30)
     s.add(long_prompt)
     chunks = []
@@ -91,7 +93,7 @@ def test_a_long_prompt_is_chunked_and_the_others_keep_decoding():
         plan = s.schedule()
         assert [r for r, _ in plan[:4]] == players, "every player decodes every step"
         chunks += [n for r, n in plan if r is long_prompt]
-        run(plan)
+        run(s, plan)
     assert chunks == [6, 6, 6, 6, 6]
 
 
@@ -113,11 +115,11 @@ def test_when_the_pool_runs_out_the_newest_is_set_back_and_resumes_with_its_toke
     s = scheduler(blocks=5, block_size=4, budget=64)
     old, new = request(4, max_tokens=12), request(4, max_tokens=8)  # 4 and 3 blocks at most
     s.add(old)
-    run(s.schedule())
+    run(s, s.schedule())
     s.add(new)
     preempted_with = None
     while not (old.finished and new.finished):
-        run(s.schedule())
+        run(s, s.schedule())
         if new.preemptions and preempted_with is None:
             preempted_with = list(new.tokens)
     assert new.preemptions >= 1 and old.preemptions == 0, "the newest one was set back"
@@ -135,7 +137,7 @@ def test_the_last_running_request_is_never_preempted():
     while not only.finished:
         plan = s.schedule()
         assert plan == [(only, plan[0][1])]
-        run(plan)
+        run(s, plan)
     assert only.preemptions == 0
 
 
@@ -151,10 +153,10 @@ def test_beside_decodes_a_prompt_gets_only_the_prefill_chunk():
     s.add(alone)
     plan = s.schedule()
     assert plan == [(alone, 32)], "nobody decodes: the whole budget"
-    run(plan)
+    run(s, plan)
     plan = s.schedule()
     assert plan == [(alone, 8)]
-    run(plan)  # now decoding
+    run(s, plan)  # now decoding
     newcomer = request(40)
     s.add(newcomer)
     plan = s.schedule()
@@ -192,7 +194,34 @@ def test_a_prompt_deep_into_a_long_context_fills_the_step_with_smaller_chunks():
         context = long_prompt.computed
         plan = s.schedule()
         seen.append((context, dict(plan).get(long_prompt, 0)))
-        run(plan)
+        run(s, plan)
     for context, share in seen[1:-1]:  # the first is its admission; the last what was left
         assert share == max(MIN_PROMPT_SHARE, min(59, FILL_ATTENTION // max(context, 1))), (context, share)
     assert seen[1][1] == 59 and seen[-2][1] == MIN_PROMPT_SHARE
+
+
+@pytest.mark.parametrize("policy, prompt", [("fifo", 30), ("prefill-first", 60)])
+def test_start_budget_is_what_the_next_step_gives_a_newcomer(policy, prompt):
+    """The engine's free_slots trusts start_budget() to foretell schedule(): a newcomer's first chunk."""
+    s = scheduler(policy, budget=40, step_fill=24)
+    players = decoding(s, 3)
+    ongoing = request(prompt)  # not done in its first step, under either order
+    s.add(ongoing)
+    run(s, s.schedule())  # its first chunk: it is prefilling now
+    assert ongoing.status is Status.PREFILLING and all(p.status is Status.DECODING for p in players)
+    budget = s.start_budget()
+    assert 0 < budget < 40  # the ongoing prompt's rest (fifo: and the decodes' share) taken out
+    newcomer = request(200)
+    s.add(newcomer)
+    plan = dict(s.schedule())
+    assert plan[newcomer] == budget
+
+
+def test_reset_drops_everything_and_gives_the_blocks_back():
+    s = scheduler(blocks=20, block_size=4)
+    decoding(s, 2)
+    s.add(request(6))
+    free_before = s.blocks.free
+    dropped = s.reset()
+    assert len(dropped) == 3 and not s.busy and s.blocks.free > free_before
+    assert all(r.status is Status.FINISHED for r in dropped)

@@ -26,3 +26,15 @@ def test_a_bad_flag_value_is_refused(capsys):
     with pytest.raises(SystemExit):
         Settings.parse(["--batch", "many"], ["batch"], "test")
     assert "--batch" in capsys.readouterr().err
+
+
+def test_the_engine_takes_its_settings_once_as_an_engine_config():
+    """worker/continuous/config.py copies the engine's settings, never sets one (the defaults are
+    Settings'); off the CPU the quantized kernels' rows are 0, as torch's products run there."""
+    from dataclasses import fields
+
+    from worker.continuous.config import EngineConfig
+    settings = Settings(block_size=8, max_batch_tokens=96, scheduler="prefill-first", int4_rows=32)
+    config = EngineConfig.from_settings(settings)
+    assert all(getattr(config, f.name) == getattr(settings, f.name) for f in fields(EngineConfig))
+    assert EngineConfig.from_settings(settings, cpu=False).int4_rows == 0

@@ -16,9 +16,10 @@ from shared.settings import Settings
 from worker.continuous import kernels, linear, models
 from worker.continuous.attention import KVCache
 from worker.continuous.block_manager import BlockManager
+from worker.continuous.config import EngineConfig
 from worker.continuous.model_runner import ModelRunner
 from worker.continuous.pacer import Pacer
-from worker.continuous.request import Request, Status
+from worker.continuous.request import Request
 from worker.continuous.scheduler import Scheduler
 from worker.model_loader import LoadedModel
 from worker.sequence import Sequence
@@ -33,25 +34,24 @@ class ContinuousEngine:
     name = "continuous"
     features = FEATURES  # penalties, logprobs, prompt logprobs, grammars (WorkerInfo.features)
 
-    def __init__(self, loaded: LoadedModel, model, settings: Settings, kernel=None):
+    def __init__(self, loaded: LoadedModel, model, config: EngineConfig, kernel=None):
         """`model`: compact model code (worker.continuous.models) holding the loaded weights;
         `kernel`: the C++ kernels (worker.continuous.kernels), or None."""
         self.loaded = loaded
-        size = settings.block_size
-        blocks = settings.kv_blocks or max(1, settings.kv_memory * MIB // (size * KVCache.bytes_per_token(
+        size = config.block_size
+        blocks = config.kv_blocks or max(1, config.kv_memory * MIB // (size * KVCache.bytes_per_token(
             model.layers, model.kv_heads, model.head_dim, loaded.dtype)))
-        self.blocks = BlockManager(blocks, size, settings.prefix_caching)
+        self.blocks = BlockManager(blocks, size, config.prefix_caching)
         # Each running request holds a block at least, and each decode costs a token of the budget:
         # beyond either, requests would be held without being computed, also with a larger --batch.
-        self.capacity = min(settings.batch or blocks, blocks, settings.max_batch_tokens)
-        if settings.batch > self.capacity:
+        self.capacity = min(config.batch or blocks, blocks, config.max_batch_tokens)
+        if config.batch > self.capacity:
             log.warning("--batch %d: at most %d requests run at once (one KV block and one token of "
-                        "--max-batch-tokens each)", settings.batch, self.capacity)
+                        "--max-batch-tokens each)", config.batch, self.capacity)
         # Room kept free at admission so that running requests can grow: 1% of the pool, as vLLM does.
         margin = max(1, blocks // 100)
-        self.scheduler = Scheduler(self.blocks, settings.max_batch_tokens, self.capacity,
-                                   settings.scheduler, margin, settings.prefill_chunk, settings.step_fill,
-                                   Pacer(settings.max_stretch, settings.step_fill))
+        self.scheduler = Scheduler(self.blocks, config, self.capacity, margin,
+                                   Pacer(config.max_stretch, config.step_fill))
         cache = KVCache(model.layers, model.kv_heads, model.head_dim, blocks, size, loaded.dtype,
                         loaded.device)
         self.runner = ModelRunner(model, cache, size, loaded.device, kernel)
@@ -67,11 +67,11 @@ class ContinuousEngine:
         self._hits = 0  # the block manager's prefix hits when last counted
         log.info("KV cache: %d blocks of %d tokens (%.0f MiB); up to %d requests, %d tokens a step, "
                  "%s scheduler, prefix caching %s", blocks, size, cache.k.nbytes * 2 / MIB, self.capacity,
-                 settings.max_batch_tokens, settings.scheduler, "on" if settings.prefix_caching else "off")
+                 config.max_batch_tokens, config.scheduler, "on" if config.prefix_caching else "off")
 
     @property
     def busy(self) -> bool:
-        return bool(self.scheduler.running or self.scheduler.waiting)
+        return self.scheduler.busy
 
     def free_slots(self) -> int:
         """How many more jobs to take now: as many as the next step will start (give a first chunk
@@ -87,7 +87,7 @@ class ContinuousEngine:
         live = [r for r in s.running if not r.finished]
         waiting = [r for r in s.waiting if not r.finished]
         room = s.max_running - len(live) - len(waiting)
-        budget, blocks = self._start_budget(live), self.blocks.free - self._margin
+        budget, blocks = s.start_budget(), self.blocks.free - self._margin
         # Held, not started: the next step starts them first. Their share of the prompt found in the
         # prefix cache is known only at their admission: as much as recent requests found.
         for req in waiting:
@@ -103,18 +103,6 @@ class ContinuousEngine:
         # The last one taken may get only part of its prompt computed: it has started all the same.
         fit = min(math.ceil(budget / cost), blocks // self.blocks.blocks_for(math.ceil(cost)))
         return max(0, min(room, fit))
-
-    def _start_budget(self, live: list[Request]) -> int:
-        """Prompt tokens the next step has for requests that start in it: the scheduler's rule."""
-        s = self.scheduler
-        decodes = sum(1 for r in live if r.status is Status.DECODING)
-        prefills = sum(r.to_compute for r in live if r.status is Status.PREFILLING)
-        budget = s.max_batch_tokens
-        if s.policy == "fifo":  # decodes go first, and leave prompts a share beside them
-            budget -= decodes
-            if decodes:
-                budget = min(budget, s.prompt_share(decodes))
-        return budget - prefills  # ongoing prompts go before new ones, under both policies
 
     def _learn_start_cost(self) -> None:
         """What the requests admitted since the last call computed of their prompts: their length
@@ -148,35 +136,18 @@ class ContinuousEngine:
         return [r.seq for r in self.scheduler.requests()]
 
     def step(self) -> list[Sequence]:
+        """Schedule, run, postprocess: the scheduler's bookkeeping on both sides of the forward pass."""
         plan = self.scheduler.schedule()
         self.last_batch = len(plan)
         if not plan:
             return []
         start = time.perf_counter()
         produced = self.runner.run(plan)
-        decodes = sum(1 for req, _ in plan if req.status is Status.DECODING)
-        self.scheduler.pacer.observe(decodes, sum(count for _, count in plan) - decodes, time.perf_counter() - start)
         self.generated += len(produced)
-        for req, count in plan:
-            req.computed += count
-            self.blocks.computed(req.table, req.tokens, req.computed)
-        changed = []
-        for req, token, entry in produced:
-            if not req.finished:  # cancelled while this step ran
-                req.append(token, entry)
-                req.status = Status.DECODING
-            changed.append(req.seq)
-            if req.finished:  # its blocks go back now, not at the next step
-                self.scheduler.retire(req)
-        return changed
+        return self.scheduler.postprocess(plan, produced, time.perf_counter() - start)
 
     def reset(self) -> list[Sequence]:
-        dropped = self.scheduler.requests()
-        for req in dropped:
-            self.scheduler.finish(req)
-        self.scheduler.running.clear()
-        self.scheduler.waiting.clear()
-        return [r.seq for r in dropped]
+        return [r.seq for r in self.scheduler.reset()]
 
     def stats(self) -> dict:
         """For the heartbeat: how full the cache is and what the scheduler holds."""
@@ -186,21 +157,21 @@ class ContinuousEngine:
                 "preempted": self.scheduler.preempted, "generated": self.generated}
 
 
-def build(loaded: LoadedModel, settings: Settings, tensors: dict, config):
-    """The continuous engine for this model, or None (with the reason logged) if it cannot run it."""
-    reason = models.unsupported(config)
+def build(loaded: LoadedModel, settings: Settings, tensors: dict, model_config):
+    """The continuous engine for this model (`model_config`: transformers'), or None (with the reason
+    logged) if it cannot run it. The engine's settings are read here, once (EngineConfig)."""
+    reason = models.unsupported(model_config)
     if reason:
         log.warning("the continuous engine cannot run this model (%s): using the static engine on "
                     "transformers' classes instead", reason)
         return None
     cpu = loaded.device.type == "cpu"
-    kernel = kernels.build(os.path.join(settings.cache_dir, "kernels")) if cpu and settings.cache_dir else None
-    linear.check_small_kernel(settings.small_kernel, kernel)
-    rows = settings.int4_rows if cpu else 0
-    model = models.build(config, tensors, loaded.dtype, loaded.device, rows, settings.int4_head, kernel,
-                         settings.small_kernel)
-    engine = ContinuousEngine(loaded, model, settings, kernel)
-    engine.numerics = numerics(model, settings, loaded, kernel)
+    config = EngineConfig.from_settings(settings, cpu)
+    kernel = kernels.build(os.path.join(config.cache_dir, "kernels")) if cpu and config.cache_dir else None
+    linear.check_small_kernel(config.small_kernel, kernel)
+    model = models.build(model_config, tensors, loaded.dtype, loaded.device, config, kernel)
+    engine = ContinuousEngine(loaded, model, config, kernel)
+    engine.numerics = numerics(model, loaded, kernel)
     log.info("numerics: %s", engine.numerics)
     if not engine.numerics.endswith("+invariant"):
         log.warning("a request's text may depend on the other requests in its step here (%s): seeds "
@@ -209,7 +180,7 @@ def build(loaded: LoadedModel, settings: Settings, tensors: dict, config):
     return engine
 
 
-def numerics(model, settings: Settings, loaded: LoadedModel, kernel) -> str:
+def numerics(model, loaded: LoadedModel, kernel) -> str:
     """The worker's numerics fingerprint (WorkerInfo.numerics): how its products run, the dtype, the
     kernels' build, and "+invariant" where each row's numbers are its own whatever shares its step:
     an invariant kernel at every step for every layer (linear.INVARIANT), inside the C++ decoder

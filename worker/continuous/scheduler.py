@@ -22,8 +22,10 @@ from collections import deque
 from typing import Optional
 
 from worker.continuous.block_manager import BlockManager
+from worker.continuous.config import EngineConfig
 from worker.continuous.pacer import Pacer
 from worker.continuous.request import Request, Status
+from worker.sequence import Sequence
 
 POLICIES = ("fifo", "prefill-first")
 PROMPT_TOKENS_PER_DECODE = 1
@@ -38,18 +40,19 @@ FILL_ATTENTION = 32768
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_batch_tokens: int, max_running: int,
-                 policy: str = "fifo", margin_blocks: int = 1, prefill_chunk: int = 0, step_fill: int = 0,
+    def __init__(self, blocks: BlockManager, config: EngineConfig, max_running: int, margin_blocks: int = 1,
                  pacer: Optional[Pacer] = None):
-        if policy not in POLICIES:
-            raise ValueError(f"scheduler {policy!r}: expected one of {', '.join(POLICIES)}")
+        """`config`: its budget, chunk, fill and policy; `max_running` and `margin_blocks` follow from
+        the cache's size (the engine's)."""
+        if config.scheduler not in POLICIES:
+            raise ValueError(f"scheduler {config.scheduler!r}: expected one of {', '.join(POLICIES)}")
         self.blocks = blocks
-        self.max_batch_tokens = max_batch_tokens
-        self.prefill_chunk = prefill_chunk or max_batch_tokens  # prompt tokens per step beside decodes
-        self.step_fill = step_fill  # prompts fill a step with decodes up to this many tokens
+        self.max_batch_tokens = config.max_batch_tokens
+        self.prefill_chunk = config.prefill_chunk or config.max_batch_tokens  # prompt tokens a step beside decodes
+        self.step_fill = config.step_fill  # prompts fill a step with decodes up to this many tokens
         self.pacer = pacer  # and no further than the streams' gaps allow, as timed
         self.max_running = max_running
-        self.policy = policy
+        self.policy = config.scheduler
         self.margin_blocks = margin_blocks
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # by arrival
@@ -61,6 +64,10 @@ class Scheduler:
 
     def requests(self) -> list[Request]:
         return self.running + list(self.waiting)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.waiting)
 
     def schedule(self) -> list[tuple[Request, int]]:
         """This step's work: (request, tokens to compute), decodes first in the list."""
@@ -79,6 +86,49 @@ class Scheduler:
             self._decodes(plan, budget)
         plan.sort(key=lambda item: item[0].status is not Status.DECODING)  # stable: decodes first
         return plan
+
+    def postprocess(self, plan: list[tuple[Request, int]], produced: list, elapsed_s: float) -> list[Sequence]:
+        """After the model ran `plan` (in `elapsed_s`): count each request's computed tokens, give
+        those that reached their end the token `produced` holds for them ((request, token, logprobs
+        entry)), and retire the finished at once (their blocks back now, not at the next step).
+        Returns the sequences that changed."""
+        decodes = sum(1 for req, _ in plan if req.status is Status.DECODING)
+        if self.pacer:
+            self.pacer.observe(decodes, sum(count for _, count in plan) - decodes, elapsed_s)
+        for req, count in plan:
+            req.computed += count
+            self.blocks.computed(req.table, req.tokens, req.computed)
+        changed = []
+        for req, token, entry in produced:
+            if not req.finished:  # cancelled while this step ran
+                req.append(token, entry)
+                req.status = Status.DECODING
+            changed.append(req.seq)
+            if req.finished:
+                self.retire(req)
+        return changed
+
+    def reset(self) -> list[Request]:
+        """Drop everything held (the worker lost its jobs): their blocks back; the requests dropped."""
+        dropped = self.requests()
+        for req in dropped:
+            self.finish(req)
+        self.running.clear()
+        self.waiting.clear()
+        return dropped
+
+    def start_budget(self) -> int:
+        """Prompt tokens the next step has for requests that start in it, by schedule()'s own rule:
+        what decodes leave (fifo: and the prompts' share beside them), less the ongoing prompts'."""
+        live = [r for r in self.running if not r.finished]
+        decodes = sum(1 for r in live if r.status is Status.DECODING)
+        prefills = sum(r.to_compute for r in live if r.status is Status.PREFILLING)
+        budget = self.max_batch_tokens
+        if self.policy == "fifo":  # decodes go first, and leave prompts a share beside them
+            budget -= decodes
+            if decodes:
+                budget = min(budget, self.prompt_share(decodes))
+        return budget - prefills  # ongoing prompts go before new ones, under both policies
 
     def finish(self, req: Request) -> None:
         """A request left (finished or cancelled): its blocks go back at once."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from worker.continuous.config import EngineConfig
 from worker.continuous.models.gpt2 import GPT2
 from worker.continuous.models.llama import Llama
 
@@ -17,6 +18,6 @@ def unsupported(config) -> Optional[str]:
     return family.unsupported(config)
 
 
-def build(config, tensors: dict, dtype, device, int4_rows: int = 0, int4_head: bool = False, kernel=None,
-          small: str = "auto"):
-    return FAMILIES[config.model_type](config, tensors, dtype, device, int4_rows, int4_head, kernel, small)
+def build(config, tensors: dict, dtype, device, products: EngineConfig, kernel=None):
+    """The family's model for `config` (transformers'), its products as `products` says."""
+    return FAMILIES[config.model_type](config, tensors, dtype, device, products, kernel)

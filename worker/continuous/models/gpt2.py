@@ -10,6 +10,7 @@ from transformers.activations import ACT2FN
 
 from worker.continuous import attention
 from worker.continuous.attention import KVCache, StepLayout
+from worker.continuous.config import EngineConfig
 from worker.continuous.linear import EVERY_STEP, Linear
 from worker.continuous.weights import dense_float, quantize_q4_1
 
@@ -23,8 +24,10 @@ class GPT2:
             return "unscaled attention weights"
         return None
 
-    def __init__(self, config, tensors: dict, dtype, device, int4_rows: int = 0, int4_head: bool = False,
-                 kernel=None, small: str = "auto"):
+    def __init__(self, config, tensors: dict, dtype, device, products: EngineConfig, kernel=None):
+        """`config`: the model's (transformers'); `products`: how the layers' products run (here only
+        the head's: int4_head, small_kernel); `kernel`: the C++ kernels, or None."""
+        int4_head, small = products.int4_head, products.small_kernel
         self.heads = self.kv_heads = config.n_head
         self.head_dim = config.n_embd // config.n_head
         self.layers = config.n_layer

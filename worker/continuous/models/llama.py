@@ -17,6 +17,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, rotat
 
 from worker.continuous import attention
 from worker.continuous.attention import KVCache, StepLayout
+from worker.continuous.config import EngineConfig
 from worker.continuous.linear import EVERY_STEP, Linear
 from worker.continuous.weights import dense_float, fuse, quantize_q4_1
 
@@ -31,8 +32,10 @@ class Llama:
             return f"rope type {rope.get('rope_type')!r} depends on the sequence length"
         return None
 
-    def __init__(self, config, tensors: dict, dtype, device, int4_rows: int = 0, int4_head: bool = False,
-                 kernel=None, small: str = "auto"):
+    def __init__(self, config, tensors: dict, dtype, device, products: EngineConfig, kernel=None):
+        """`config`: the model's (transformers'); `products`: how the layers' products run (int4_rows,
+        int4_head, small_kernel); `kernel`: the C++ kernels, or None."""
+        int4_rows, int4_head, small = products.int4_rows, products.int4_head, products.small_kernel
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
