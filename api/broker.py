@@ -105,7 +105,11 @@ class Broker:
 
     def workers_for(self, model: str) -> list[WorkerInfo]:
         """The live workers of `model` that take jobs: 503 if none at all, 404 if none serves it."""
-        workers = [w for w in self.live_workers() if not w.draining]
+        live = self.live_workers()
+        workers = [w for w in live if not w.draining]
+        if not workers and live:  # every worker is finishing what it holds: the service is stopping
+            raise unavailable("every worker is stopping (finishing what it holds, taking nothing new): "
+                              "try again once a worker is back", retry_after=WORKER_START_S)
         if not workers:
             raise unavailable("no worker is running: start one with `python -m worker`",
                               retry_after=WORKER_START_S)

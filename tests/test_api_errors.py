@@ -19,13 +19,13 @@ MODEL = "tiny"
 CONTEXT = 64
 
 
-def _register_worker(client, model=MODEL, worker_id="w1") -> JobQueue:
+def _register_worker(client, model=MODEL, worker_id="w1", draining=False) -> JobQueue:
     files = model_loader.tokenizer_files(tiny_tokenizer())
     queue = JobQueue(client, worker_id, model)
     queue.store_tokenizer(files)
     info = WorkerInfo(id=worker_id, model=model, context_window=CONTEXT, engine="static", batch=4,
                       device="cpu", dtype="float32", tokenizer_digest=model_loader.digest(files),
-                      pid=1, host="test", started=time.time())
+                      pid=1, host="test", started=time.time(), draining=draining)
     queue.heartbeat(info, ttl_s=60)
     return queue
 
@@ -139,6 +139,21 @@ def test_no_live_worker_gets_a_503_at_once(fake_redis):
     _error(client.post("/v1/completions", json=_completion()), 503)
     assert time.monotonic() - started < 2
     assert client.get("/v1/models").get_json()["data"] == []
+
+
+def test_every_worker_stopping_gets_a_503_that_says_so(fake_redis):
+    """Ctrl-C or `compose down`: the workers drain. A new request is told the service is stopping,
+    not to start a worker (one is running, finishing what it holds)."""
+    _register_worker(fake_redis, draining=True)
+    client = create_app(Settings(), client=fake_redis).test_client()
+    response = client.post("/v1/completions", json=_completion())
+    error = _error(response, 503)
+    assert "stopping" in error["message"] and "start one" not in error["message"]
+    assert response.headers["Retry-After"]
+    # With no worker at all, the 503 says to start one.
+    fake_redis.flushall()
+    fresh = create_app(Settings(), client=fake_redis).test_client()
+    assert "start one" in _error(fresh.post("/v1/completions", json=_completion()), 503)["message"]
 
 
 def test_redis_down_gets_a_503_within_two_seconds():
