@@ -40,7 +40,7 @@ import redis
 
 from shared.lifetime import dies_with_parent
 from shared.redis_client import connect, explain, is_cluster, is_sentinel, masked
-from shared.settings import TEST_ONLY, Settings
+from shared.settings import Settings
 
 READY_TIMEOUT_S = 300
 STOP_TIMEOUT_S = 60  # a worker finishing the requests it holds, gunicorn its open responses
@@ -278,8 +278,8 @@ class Service:
                 process.wait()
 
 
-# Settings a user may pass to serve.py: all of them but the test-only hooks.
-SERVE_FLAGS = [f.name for f in fields(Settings) if f.name not in TEST_ONLY]
+# Settings a user may pass to serve.py: all of them.
+SERVE_FLAGS = [f.name for f in fields(Settings)]
 PROMETHEUS_PORT = 9090
 
 

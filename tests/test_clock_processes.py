@@ -1,6 +1,6 @@
-"""Workers whose clocks are ten minutes off, as real processes on a private redis-server
-(CLOCK_SKEW_S, the test-only hook every wall-clock reading of a worker goes through): nothing a
-worker decides compares its clock with the API's. The logic alone is in test_clock.py."""
+"""Workers whose clocks are ten minutes off, as real processes on a private redis-server (the tests'
+clock_skew_s fault, worker/faults.py, which every wall-clock reading of a worker goes through):
+nothing a worker decides compares its clock with the API's. The logic alone is in test_clock.py."""
 from __future__ import annotations
 
 import time
@@ -15,6 +15,7 @@ from tests.processes import (free_port, get_json, logs, make_client, models_serv
                              wait_until)
 from tests.test_metrics import grew, scrape, value
 from tests.test_reliability import MODEL, Paused
+from worker.faults import as_env
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -32,7 +33,7 @@ def test_a_worker_ten_minutes_ahead_answers_live_jobs_and_their_queue_wait_is_se
         redis_alone, tiny_model_dirs, tmp_path):
     worker_port = free_port()
     worker = tiny_worker(tiny_model_dirs["llama"], redis_alone, tmp_path, "worker", "--metrics-port", str(worker_port),
-                         CLOCK_SKEW_S=str(TEN_MINUTES))
+                         **as_env(clock_skew_s=TEN_MINUTES))
     port, api = start_api(redis_alone, tmp_path, "api")
     worker_metrics = f"http://127.0.0.1:{worker_port}/metrics"
     try:
@@ -58,7 +59,7 @@ def test_a_worker_ten_minutes_ahead_answers_live_jobs_and_their_queue_wait_is_se
 def test_a_worker_ten_minutes_behind_drops_a_job_whose_deadline_passed(redis_alone, tiny_model_dirs, tmp_path):
     worker_port = free_port()
     worker = tiny_worker(tiny_model_dirs["llama"], redis_alone, tmp_path, "worker", "--metrics-port", str(worker_port),
-                         CLOCK_SKEW_S=str(-TEN_MINUTES))
+                         **as_env(clock_skew_s=-TEN_MINUTES))
     port, api = start_api(redis_alone, tmp_path, "api", "--request-timeout", "2")
     worker_metrics = f"http://127.0.0.1:{worker_port}/metrics"
     redis_client = redis_alone.client()

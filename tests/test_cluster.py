@@ -36,6 +36,7 @@ from shared import keys
 from shared.protocol import Final, Job, SamplingParams, decode_result
 from shared.redis_client import connect
 from tests.processes import free_port, get_json, logs, make_client, start, stop, wait_for_servers, wait_until
+from worker.faults import as_env
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -344,11 +345,11 @@ def test_a_primary_killed_mid_stream_its_replica_takes_over(cluster, tiny_model_
 
 
 def _slow_stack(url: str, model: str, port: int, tiny_model_dirs, tmp_path, procs: list) -> tuple:
-    """A slow worker (the test-only STEP_DELAY_S: a stream is still being written when the test
+    """A slow worker (the tests' step_delay_s fault, worker/faults.py: a stream is still being written when the test
     disturbs the cluster) and an API on `url`, appended to `procs`; (client, a request it answered)."""
     procs.append(start(["worker", "--model", tiny_model_dirs["llama"], "--model-name", model, "--dtype",
                         "float32", "--batch", "4", "--wait", "5"], tmp_path, "worker", REDIS_URL=url,
-                       STEP_DELAY_S="0.05"))
+                       **as_env(step_delay_s=0.05)))
     procs.append(start(["api", "--port", str(port), "--max-queue", "0", "--request-timeout", "60"], tmp_path,
                        "api", REDIS_URL=url))
     client = make_client(port)

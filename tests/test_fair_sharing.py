@@ -6,7 +6,7 @@ must start just as many each step, and hold nothing unstarted), the worker loop'
 on fakeredis, and the wake-up a worker leaves for an idle one when it leaves jobs behind.
 
 Real processes: a private redis-server, the API, two tiny-Llama workers of which one sleeps after
-every step (the test-only STEP_DELAY_S, as if its machine were much slower), and a tiny-GPT-2
+every step (the tests' step_delay_s fault, worker/faults.py, as if its machine were much slower), and a tiny-GPT-2
 worker, which serves another model.
 """
 from __future__ import annotations
@@ -26,6 +26,7 @@ from shared.protocol import Job, SamplingParams, WorkerInfo
 from shared.settings import Settings
 from tests.engines import make_engine
 from tests.processes import logs, make_client, models_served, start, start_api, stop, wait_until
+from worker.faults import as_env
 from worker.job_queue import JobQueue
 from worker.worker import ADMIT_ROUNDS, Worker
 
@@ -222,7 +223,7 @@ def stack(redis_server, tiny_model_dirs, tmp_path_factory):
     beat = dict(REDIS_URL=redis_server.url, HEARTBEAT_S=str(BEAT_S))
     fast = start(["worker", "--model", tiny_model_dirs["llama"], *WORKER_ARGS], log_dir, "fast", **beat)
     slow = start(["worker", "--model", tiny_model_dirs["llama"], *WORKER_ARGS], log_dir, "slow",
-                 STEP_DELAY_S=str(SLOW_STEP_S), **beat)
+                 **as_env(step_delay_s=SLOW_STEP_S), **beat)
     gpt2 = start(["worker", "--model", tiny_model_dirs["gpt2"], *WORKER_ARGS], log_dir, "gpt2", **beat)
     port, api = start_api(redis_server, log_dir, "api", "--max-queue", "0")
     procs = [fast, slow, gpt2, api]

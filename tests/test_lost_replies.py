@@ -22,6 +22,7 @@ from tests.test_job_queue import MODEL, _ids, _push
 from tests.test_leases import _listen
 from tests.tiny_models import tiny_tokenizer
 from worker import worker as worker_module
+from worker.faults import Faults
 from worker.job_queue import JobQueue
 from worker.sequence import Sequence
 from worker.worker import Worker
@@ -176,8 +177,8 @@ class StandIn:
 def _worker(client, engine: StandIn, heartbeat_s: float = 0.1, step_delay_s: float = 0.0) -> Worker:
     info = WorkerInfo(id="w1", model=MODEL, context_window=128, engine="stand-in", batch=4, device="cpu",
                       dtype="float32", tokenizer_digest="x", pid=1, host="h", started=0.0)
-    return Worker(JobQueue(client, "w1", MODEL), engine, info,
-                  Settings(heartbeat_s=heartbeat_s, heartbeat_ttl_s=5.0, step_delay_s=step_delay_s))
+    return Worker(JobQueue(client, "w1", MODEL), engine, info, Settings(heartbeat_s=heartbeat_s, heartbeat_ttl_s=5.0),
+                  faults=Faults(step_delay_s=step_delay_s))
 
 
 def _push_long(client, *ids: int, max_tokens: int = 8) -> None:

@@ -15,6 +15,7 @@ import pytest
 from shared import keys
 from tests.processes import (RedisServer, get_json, logs, make_client, models_served, start_api, stop, tiny_worker,
                              wait_until)
+from worker.faults import as_env
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -156,7 +157,7 @@ def test_a_job_that_kills_its_worker_fails_after_its_retries_and_the_rest_comple
         while not stopping.is_set():
             if not started or started[-1].poll() is not None:
                 started.append(tiny_worker(tiny_model_dirs["llama"], redis_alone, tmp_path, f"w{len(started)}",
-                                           "--batch", "8", "--wait", "300", CRASH_ON_PROMPT="7,7,7,7,7"))
+                                           "--batch", "8", "--wait", "300", **as_env(crash_on_prompt=[7, 7, 7, 7, 7])))
             time.sleep(0.2)
 
     stopping = threading.Event()

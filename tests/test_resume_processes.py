@@ -22,12 +22,13 @@ from shared import metrics as names
 from tests.processes import default_worker, free_port, logs, make_client, start_api, stop, tiny_worker, wait_until
 from tests.test_metrics import scrape, value
 from tests.test_reliability import MODEL
+from worker.faults import as_env
 from worker.model_loader import PACKAGED_NAME
 
 pytestmark = pytest.mark.timeout(240)
 
 STREAMS = 16
-STEP_DELAY_S = "0.05"  # ~2.5 s a stream: the kill lands well inside every one
+SLOW = as_env(step_delay_s=0.05)  # ~2.5 s a stream: the kill lands well inside every one
 KILL_AFTER = 8  # pieces of text every stream has had by the kill
 
 
@@ -42,11 +43,11 @@ class Pool(NamedTuple):
 def pool(request, tiny_model_dirs) -> Pool:
     if request.param == "tiny-llama":
         return Pool(MODEL, 48, lambda server, log_dir, name, port: tiny_worker(
-            tiny_model_dirs["llama"], server, log_dir, name, "--metrics-port", str(port), STEP_DELAY_S=STEP_DELAY_S),
+            tiny_model_dirs["llama"], server, log_dir, name, "--metrics-port", str(port), **SLOW),
             load_s=90)
     request.getfixturevalue("kernel")  # built once, before two workers would each build it
     return Pool(PACKAGED_NAME, 40, lambda server, log_dir, name, port: default_worker(
-        server.url, log_dir, name, "--metrics-port", str(port), STEP_DELAY_S=STEP_DELAY_S), load_s=180)
+        server.url, log_dir, name, "--metrics-port", str(port), **SLOW), load_s=180)
 
 
 def _request(pool: Pool, i: int) -> dict:

@@ -29,10 +29,11 @@ from serve import free_port, port_is_free
 from shared import keys
 from tests.processes import ROOT, _env, make_client, models_served
 from tests.test_serve import Serve, assert_nothing_left, cmdline, tag, tagged  # noqa: F401 (tag: a fixture)
+from worker.faults import as_env
 
 pytestmark = pytest.mark.slow  # each starts the whole service: ~10-30 s on 2 cores
 
-STEP_DELAY_S = "0.08"  # the test hook: 100 tokens take ~8 s, so the signal lands mid-stream
+SLOW = as_env(step_delay_s=0.08)  # the tests' fault: 100 tokens take ~8 s, so the signal lands mid-stream
 MAX_TOKENS = 100  # the tiny model's context window is 128 tokens
 
 
@@ -56,7 +57,7 @@ def start(tmp_path, tag, tiny_model_dirs, **env):  # noqa: F811
     port, redis_port = free_port(), free_port()
     env.setdefault("REDIS_URL", f"redis://127.0.0.1:{redis_port}/0")
     serve = GroupServe(tmp_path, tag, [], PORT=str(port), MODEL=tiny_model_dirs["llama"],
-                       STEP_DELAY_S=STEP_DELAY_S, **env)
+                       **SLOW, **env)
     serve.wait_until_ready()
     return serve, port, redis_port
 

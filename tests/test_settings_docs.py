@@ -9,9 +9,10 @@ import subprocess
 import sys
 from dataclasses import fields
 
-from shared.settings import DOCUMENTED, TEST_ONLY, Settings, settings_table
+from shared.settings import DOCUMENTED, Settings, settings_table
 from shared.settings import README_END as END, README_START as START, SETTINGS_PAGE
 from tests.processes import ROOT
+from worker.faults import Faults
 
 
 def readme_table() -> str:
@@ -55,13 +56,16 @@ def test_the_update_command_writes_the_table_between_the_markers(tmp_path):
     assert readme.read_text() == f"# Title\n\n{START}{settings_table(DOCUMENTED)}{END}\n\nmore text\n"
 
 
-def test_every_setting_is_documented_but_the_test_only_ones():
+FAULTS = [f.name for f in fields(Faults)]  # the tests' fault injection: not settings (worker/faults.py)
+
+
+def test_every_setting_is_documented_and_no_fault_is_one():
     rows = table_rows(readme_table())
     assert set(rows) == {Settings.env_name(name) for name in DOCUMENTED}
     for name in ("heartbeat_s", "heartbeat_ttl_s", "answer_ttl_s", "metrics_host"):
         assert Settings.env_name(name) in rows
-    for name in TEST_ONLY:
-        assert Settings.env_name(name) not in rows
+    for name in FAULTS:
+        assert name.upper() not in rows and name not in DOCUMENTED
 
 
 def test_help_shows_every_default_as_the_readme_does():
@@ -74,5 +78,5 @@ def test_help_shows_every_default_as_the_readme_does():
     for env, flag, default, _ in table_rows(readme_table()).values():
         assert f"{flag} " in shown and f"(env {env}, default {default})" in shown, env
     assert "False" not in shown and "True" not in shown
-    for name in TEST_ONLY:
+    for name in FAULTS:
         assert "--" + name.replace("_", "-") not in shown

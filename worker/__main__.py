@@ -19,6 +19,7 @@ from worker import clock, metrics, model_loader
 from worker.continuous import engine as continuous
 from worker.continuous.linear import check_small_kernel_name
 from worker.continuous.scheduler import POLICIES
+from worker.faults import Faults
 from worker.job_queue import JobQueue
 from worker.static_engine import StaticEngine
 from worker.worker import Worker
@@ -83,7 +84,9 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     settings = Settings.parse(argv, FLAGS, "Storyteller model worker")
     check(settings)
-    clock.skew_s = settings.clock_skew_s
+    faults = Faults.from_env()
+    if faults:
+        logging.warning("test faults on (%s): this worker is for a test, not for serving", faults.describe())
     started = time.monotonic()
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
@@ -110,14 +113,14 @@ def main(argv=None) -> None:
         id=worker_id, model=loaded.name, context_window=loaded.context_window, engine=engine.name,
         batch=engine.capacity, device=str(loaded.device), dtype=str(loaded.dtype).removeprefix("torch."),
         tokenizer_digest=model_loader.digest(files),
-        pid=os.getpid(), host=socket.gethostname(), started=clock.wall(), numerics=engine.numerics,
+        pid=os.getpid(), host=socket.gethostname(), started=clock.wall(faults.clock_skew_s), numerics=engine.numerics,
         features=list(engine.features))
     grammars = None
     if FEATURE_GRAMMAR in engine.features:
         from worker.constraint import Grammars  # llguidance
         grammars = Grammars(loaded.tokenizer, loaded.vocab_size, queue.grammar)
         threading.Thread(target=grammars.warm, name="grammars-warm", daemon=True).start()
-    worker = Worker(queue, engine, info, settings, grammars)
+    worker = Worker(queue, engine, info, settings, grammars, faults)
     worker.install_signal_handlers()
     if settings.metrics_port:
         metrics.serve(settings.metrics_port, metrics.EngineCollector(info.model, engine, queue.requeued,

@@ -8,13 +8,9 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-# Test only (Settings.clock_skew_s): added to every wall-clock reading the worker makes, as if its
-# host's clock were that far off. Set once at start.
-skew_s = 0.0
-
-
-def wall() -> float:
-    """This host's wall clock: only for what is shown to people (when the worker started)."""
+def wall(skew_s: float = 0.0) -> float:
+    """This host's wall clock: only for what is shown to people (when the worker started). `skew_s`:
+    the tests' fault (worker/faults.py), as if the host's clock were that far off."""
     return time.time() + skew_s
 
 

@@ -18,6 +18,7 @@ from shared.protocol import WorkerInfo
 from shared.settings import Settings
 from worker import clock
 from worker.engine_protocol import Engine
+from worker.faults import Faults
 from worker.job_queue import LOST, JobQueue
 from worker.metrics import WorkerMetrics
 from worker.sequence import Sequence
@@ -49,8 +50,10 @@ def resident_mb() -> int:
 
 
 class Worker:
-    def __init__(self, queue: JobQueue, engine: Engine, info: WorkerInfo, settings: Settings, grammars=None):
-        """`grammars`: the worker's worker.constraint.Grammars, where its engine serves them."""
+    def __init__(self, queue: JobQueue, engine: Engine, info: WorkerInfo, settings: Settings, grammars=None,
+                 faults: Faults = Faults()):
+        """`grammars`: the worker's worker.constraint.Grammars, where its engine serves them; `faults`:
+        the tests' (worker/faults.py), none in production."""
         self.queue = queue
         self.engine = engine
         self.grammars = grammars
@@ -72,7 +75,8 @@ class Worker:
         # so that what it holds and publishes cannot change under the look).
         self._stranded_due = threading.Event()
         self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
-        self._crash_on = [int(t) for t in settings.crash_on_prompt.split(",")] if settings.crash_on_prompt else None
+        self.faults = faults
+        self._crash_on = list(faults.crash_on_prompt) or None
         self._polled = {"take": 0.0, "cancelled": 0.0}  # when a busy worker last asked Redis (monotonic)
 
     def install_signal_handlers(self) -> None:
@@ -205,7 +209,7 @@ class Worker:
             if clock.expired(job.enqueued_at, job.timeout_s, now):  # nobody is waiting for it any more
                 self.queue.fail([job.id], "the request's deadline passed before it was decoded", "timeout")
                 continue
-            if self._crash_on == job.prompt_ids:  # the test hook: die as a crashing job would make us
+            if self._crash_on == job.prompt_ids:  # the tests' fault: die as a crashing job would make us
                 os.kill(os.getpid(), signal.SIGKILL)
             try:
                 seq = self.engine.add(job, written, self._constraint(job))
@@ -271,8 +275,8 @@ class Worker:
             self._struck_off.clear()
             seqs += [s for s in held if s not in seqs]
         self._publish(seqs, check)
-        if self.settings.step_delay_s:  # the test hook: a slower machine, for tests of sharing work
-            time.sleep(self.settings.step_delay_s)
+        if self.faults.step_delay_s:  # the tests' fault: a slower machine, for tests of sharing work
+            time.sleep(self.faults.step_delay_s)
 
     def _publish(self, seqs: list[Sequence], check: bool = False) -> None:
         seqs, self._unpublished = self._unpublished + seqs, []
