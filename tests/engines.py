@@ -8,11 +8,14 @@ inside the loop (a batch's size at each step, a stream published as it grows) ke
 """
 from __future__ import annotations
 
+from collections import Counter
 from typing import Callable, Optional
 
 from shared.protocol import Job
 from shared.settings import Settings
+from tests.tiny_models import tiny_tokenizer
 from worker.continuous import engine as continuous
+from worker.sequence import Sequence
 
 # Small blocks and a small step budget: a few requests on a tiny model already share blocks,
 # chunk their prompts and wait for room, the paths the comparisons are about.
@@ -57,3 +60,48 @@ def write_arriving(engine, jobs: list[tuple[int, Job]], add: Optional[Callable] 
         step += 1
         assert most_steps is None or step < most_steps, "the engine stopped making progress"
     return seqs
+
+
+
+class StandIn:
+    """An engine for the worker loop's tests: no model, `capacity` jobs at a time, one `word`'s
+    token per job per step (real Sequences, so the queue publishes real answers), counting adds."""
+    name, last_batch, numerics, features = "stand-in", 0, "", ()
+
+    def __init__(self, capacity: int = 4, word: str = " brave"):
+        self.capacity = capacity
+        self.tokenizer = tiny_tokenizer()
+        self.token = self.tokenizer(word).input_ids[0]
+        self.held: list[Sequence] = []
+        self.added: Counter[str] = Counter()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.held)
+
+    def free_slots(self) -> int:
+        return self.capacity - len(self.held)
+
+    def add(self, job: Job, written=None, constraint=None) -> Sequence:
+        seq = Sequence(job, self.tokenizer, frozenset({self.tokenizer.eos_token_id}), written, constraint)
+        self.held.append(seq)
+        self.added[job.id] += 1
+        return seq
+
+    def step(self) -> list[Sequence]:
+        changed = [s for s in self.held if not s.finished]
+        for seq in changed:
+            seq.append(self.token)
+        self.held = [s for s in self.held if not s.finished]
+        self.last_batch = len(changed)
+        return changed
+
+    def sequences(self) -> list[Sequence]:
+        return list(self.held)
+
+    def reset(self) -> list[Sequence]:
+        dropped, self.held = self.held, []
+        return dropped
+
+    def stats(self) -> dict:
+        return {}

@@ -17,6 +17,7 @@ import redis
 from shared import keys
 from shared.protocol import Final, Job, SamplingParams, WorkerInfo, decode_result
 from shared.settings import Settings
+from tests.engines import StandIn
 from tests.processes import RedisServer
 from tests.test_job_queue import MODEL, _ids, _push
 from tests.test_leases import _listen
@@ -130,48 +131,6 @@ def test_a_malformed_stranded_job_is_dropped(client):
 
 
 # The worker's loop
-
-
-class StandIn:
-    """An engine that writes one token per job per step (until max_tokens), counting its adds."""
-    name, capacity, last_batch = "stand-in", 4, 0
-
-    def __init__(self):
-        self.tokenizer = tiny_tokenizer()
-        self.token = self.tokenizer(" brave").input_ids[0]
-        self.held: list[Sequence] = []
-        self.added: Counter[str] = Counter()
-
-    @property
-    def busy(self) -> bool:
-        return bool(self.held)
-
-    def free_slots(self) -> int:
-        return self.capacity - len(self.held)
-
-    def add(self, job: Job, written=None, constraint=None) -> Sequence:
-        seq = Sequence(job, self.tokenizer, frozenset({self.tokenizer.eos_token_id}), written, constraint)
-        self.held.append(seq)
-        self.added[job.id] += 1
-        return seq
-
-    def step(self) -> list[Sequence]:
-        changed = [s for s in self.held if not s.finished]
-        for seq in changed:
-            seq.append(self.token)
-        self.held = [s for s in self.held if not s.finished]
-        self.last_batch = len(changed)
-        return changed
-
-    def sequences(self) -> list[Sequence]:
-        return list(self.held)
-
-    def reset(self) -> list[Sequence]:
-        dropped, self.held = self.held, []
-        return dropped
-
-    def stats(self) -> dict:
-        return {}
 
 
 def _worker(client, engine: StandIn, heartbeat_s: float = 0.1, step_delay_s: float = 0.0) -> Worker:

@@ -11,10 +11,9 @@ import redis
 from shared import keys
 from shared.protocol import Job, SamplingParams, WorkerInfo
 from shared.settings import Settings
-from tests.tiny_models import tiny_tokenizer
+from tests.engines import StandIn
 from worker import worker as worker_module
 from worker.job_queue import JobQueue
-from worker.sequence import Sequence
 from worker.worker import Worker
 
 
@@ -70,43 +69,9 @@ def test_a_stopping_worker_whose_redis_is_gone_leaves_after_a_while(monkeypatch)
 MODEL = "m"
 
 
-class OneAtATime:
-    """An engine that holds one job at a time and writes a token a step (real Sequences, so the
-    queue publishes real answers)."""
-    capacity, last_batch, numerics, features = 1, 0, "", ()
-
-    def __init__(self):
-        self.tokenizer = tiny_tokenizer()
-        self.held: list[Sequence] = []
-
-    @property
-    def busy(self) -> bool:
-        return bool(self.held)
-
-    def free_slots(self) -> int:
-        return self.capacity - len(self.held)
-
-    def add(self, job, written=None, constraint=None) -> Sequence:
-        seq = Sequence(job, self.tokenizer, frozenset({self.tokenizer.eos_token_id}), written)
-        self.held.append(seq)
-        return seq
-
-    def step(self) -> list[Sequence]:
-        changed, self.last_batch = list(self.held), len(self.held)
-        for seq in changed:
-            seq.append(self.tokenizer(" knight").input_ids[0])
-        self.held = [s for s in self.held if not s.finished]
-        return changed
-
-    def sequences(self) -> list[Sequence]:
-        return list(self.held)
-
-    def reset(self) -> list[Sequence]:
-        dropped, self.held = self.held, []
-        return dropped
-
-    def stats(self) -> dict:
-        return {}
+def one_at_a_time() -> StandIn:
+    """An engine that holds one job at a time and writes a token a step."""
+    return StandIn(capacity=1, word=" knight")
 
 
 def _info(worker_id: str, draining: bool = False) -> WorkerInfo:
@@ -122,7 +87,7 @@ def _queue_jobs(client, count: int) -> list[str]:
 
 
 def _stopped_worker(client, worker_id: str) -> Worker:
-    worker = Worker(JobQueue(client, worker_id, MODEL), OneAtATime(), _info(worker_id),
+    worker = Worker(JobQueue(client, worker_id, MODEL), one_at_a_time(), _info(worker_id),
                     Settings(heartbeat_s=0.05, wait_ms=0))
     worker.stop()  # as SIGTERM does, before it looked at the queue
     return worker
@@ -177,7 +142,7 @@ def test_workers_stopping_together_leave_no_job_unanswered(client):
     """Every worker stopped at once, each seeing the others taking jobs when it was told: the one
     that looks last sees the others draining, so the queue is emptied all the same."""
     ids = _queue_jobs(client, 6)
-    workers = [Worker(JobQueue(client, f"w{i}", MODEL), OneAtATime(), _info(f"w{i}"),
+    workers = [Worker(JobQueue(client, f"w{i}", MODEL), one_at_a_time(), _info(f"w{i}"),
                       Settings(heartbeat_s=0.05, wait_ms=0)) for i in range(3)]
     for worker in workers:  # each announced, taking jobs
         worker.queue.heartbeat(worker.info, ttl_s=30)
