@@ -1,4 +1,6 @@
-"""One request inside an engine: its tokens, its text so far, and why it stopped."""
+"""One request inside an engine: its tokens, its text so far, and why it stopped. Both engines hold
+these and the queue publishes from them; the continuous engine wraps each in a Request for its
+cache and scheduler (docs/architecture.md, "Words that mean more than one thing")."""
 from __future__ import annotations
 
 import time

@@ -1,4 +1,5 @@
-"""A request inside the continuous engine: its sequence, its place in the cache and its state."""
+"""A request inside the continuous engine: its Sequence (the job's tokens and text, which the
+worker publishes), its place in the paged cache and its state for the scheduler."""
 from __future__ import annotations
 
 import enum
