@@ -18,6 +18,7 @@ import pytest
 
 from tests.processes import (ROOT, RedisServer, logs, make_client, models_served, start, start_api, stop, tiny_worker,
                              wait_until)
+from worker.faults import as_env
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -25,6 +26,10 @@ MODEL = "tiny-llama"
 BATCH_CONCURRENCY = 2   # of the worker's 8 slots: the batch never holds all of them, and lasts longer than
                         # the live players' 30 requests beside it (at 4 it could finish first)
 LIVE_REQUESTS = 30
+# The tiny model's steps take ~1 ms, so its requests' time was mostly HTTP and tokenizing, which the
+# batch does not slow: the batch's 5,000 tokens could end before the live players' 30 requests did.
+# A few ms a step, as a real model's, makes the steps what both share.
+STEP_TIME = as_env(step_delay_s=0.005)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +41,7 @@ def service(tiny_model_dirs, tmp_path_factory):
     port, api = start_api(server, log_dir, "api", "--files-dir", files_dir)
     procs = [
         api,
-        tiny_worker(tiny_model_dirs["llama"], server, log_dir, "worker", "--batch", "8"),
+        tiny_worker(tiny_model_dirs["llama"], server, log_dir, "worker", "--batch", "8", **STEP_TIME),
         start(["batch", "--redis-url", server.url, "--api-url", f"http://127.0.0.1:{port}/v1",
                "--batch-concurrency", str(BATCH_CONCURRENCY), "--files-dir", files_dir], log_dir, "batch-worker"),
     ]
