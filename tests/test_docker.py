@@ -30,6 +30,7 @@ import openai
 import pytest
 
 from serve import free_port
+from shared.lifetime import dies_with_parent
 from tests.processes import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -82,7 +83,9 @@ class Engine:
             ["dockerd", "--storage-driver=vfs", "--iptables=false", "--bridge=none",
              f"--data-root={self.folder / 'root'}", f"--exec-root={self.folder / 'exec'}",
              f"--pidfile={self.folder / 'docker.pid'}", f"--host=unix://{self.socket}"],
-            stdout=self.log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+            # Its own session, and killed with this process: a killed test run leaves no daemon behind.
+            stdout=self.log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=dies_with_parent())
         give_up = time.monotonic() + 60
         while time.monotonic() < give_up and self.process.poll() is None:
             if self.run(["version"], check=False).returncode == 0:
