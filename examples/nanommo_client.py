@@ -104,7 +104,7 @@ def tell(client: openai.OpenAI, args, player: str, messages: list, narrator: Nar
         try:
             stream = client.chat.completions.create(
                 model=args.model, messages=messages, max_tokens=args.max_tokens, stream=True,
-                stream_options={"include_usage": True}, extra_body={"priority": args.priority})
+                stream_options={"include_usage": True}, seed=args.seed, extra_body={"priority": args.priority})
             tokens = None
             for chunk in stream:
                 if chunk.usage is not None:  # the last chunk, asked for by include_usage
@@ -169,6 +169,9 @@ def main(argv=None) -> int:
     parser.add_argument("--priority", type=int, default=0, help="-10 (most urgent) to 10")
     parser.add_argument("--timeout", type=float, default=60, help="seconds a request may take, at most")
     parser.add_argument("--retries", type=int, default=5, help="tries again on 429/503/no answer")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="every request's seed: the same players, turns and seed tell the same stories "
+                             "(default: a fresh draw each time)")
     args = parser.parse_args(argv)
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY") or "unused"
     client = openai.OpenAI(base_url=args.url, api_key=api_key, timeout=args.timeout, max_retries=0)
