@@ -1,8 +1,11 @@
-"""The benchmark's HTTP client: one completion, whole or streamed, against an OpenAI-shaped server.
+"""The benchmarks' one HTTP client: a completion, whole or streamed, sent and timed.
 
 Plain urllib, one connection per request: nothing to configure or pool, and it behaves the same
-under 64 threads as under one. A streamed request records when each piece of text arrived, which
-is what time-to-first-token and the gaps between tokens are computed from.
+under 64 threads as under one. Every bench sends through `send`, which records what came back
+(the text, when each piece of it arrived, the usage, whether the stream ended with [DONE] or an
+error event) without judging it. Two judges sit on top: `complete` / `stream_complete` raise on
+anything short of a whole answer, which is what a crowd measuring speed wants; the soak
+(bench/soak_client.py) sorts the same outcomes into answered, hung up, failed and lost.
 """
 from __future__ import annotations
 
@@ -13,11 +16,11 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 
 class StreamError(ValueError):
-    """The server sent an error event in the middle of a stream."""
+    """The server sent an error event in the middle of a stream, or the stream fell short."""
 
 
 # Everything a request can fail with: URLError/HTTPError/timeouts/resets are
@@ -34,9 +37,14 @@ class Outcome:
     completion_tokens: int
     prompt_tokens: Optional[int] = None
     chunk_times: list[float] = field(default_factory=list)
-    # The caller stopped reading before the end (see stream_complete); completion_tokens is then
-    # 0, as the server never said how many tokens it wrote.
+    # The caller stopped reading before the end (`stop`); completion_tokens is then 0, as the
+    # server never said how many tokens it wrote.
     cancelled: bool = False
+    text: str = ""
+    finished: bool = True  # a stream ended with [DONE] (a whole answer always has)
+    error: Optional[dict] = None  # the error event that ended a stream
+    overdue: bool = False  # a stream still going past `within` seconds, abandoned
+    usage: Optional[dict] = None
 
     @property
     def seconds(self) -> float:
@@ -75,29 +83,15 @@ def get_first_model(url: str, timeout: float = 10) -> Optional[str]:
     return models[0]["id"] if models else None
 
 
-def _post(url: str, body: dict, timeout: float):
-    req = urllib.request.Request(f"{url}/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    return urllib.request.urlopen(req, timeout=timeout)
-
-
-def _body(model: str, prompt: str, tokens: int, temperature: float, ignore_eos: bool,
-          extra: Optional[dict] = None) -> dict:
-    """`extra`: more request fields (a response_format, penalties...)."""
-    return {"model": model, "prompt": prompt, "max_tokens": tokens,
-            "temperature": temperature, "ignore_eos": ignore_eos, **(extra or {})}
-
-
-def complete(url: str, model: str, prompt: str, tokens: int, temperature: float,
-             ignore_eos: bool, timeout: float, extra: Optional[dict] = None) -> Outcome:
-    """One whole completion; raises one of REQUEST_ERRORS on failure."""
-    sent = time.perf_counter()
-    with _post(url, _body(model, prompt, tokens, temperature, ignore_eos, extra), timeout) as resp:
-        reply = json.loads(resp.read())
-    # Stop the clock only after the whole body is read: that is what a player waits for.
-    done = time.perf_counter()
-    usage = reply["usage"]
-    return Outcome(sent, done, int(usage["completion_tokens"]), usage.get("prompt_tokens"))
+def body(model: str, prompt: str, tokens: int, temperature: float, ignore_eos: bool,
+         extra: Optional[dict] = None, stream: bool = False) -> dict:
+    """A completion request; `extra`: more fields (a response_format, a seed...). A streamed one
+    asks for the usage chunk, so its tokens are counted as a whole answer's are."""
+    request = {"model": model, "prompt": prompt, "max_tokens": tokens,
+               "temperature": temperature, "ignore_eos": ignore_eos, **(extra or {})}
+    if stream:
+        request.update(stream=True, stream_options={"include_usage": True})
+    return request
 
 
 def sse_events(lines):
@@ -118,11 +112,85 @@ def sse_events(lines):
 
 
 def chunk_text(chunk: dict) -> str:
-    """The text a completions or chat-completions chunk adds (empty for a usage-only chunk)."""
+    """The text a completions or chat-completions chunk (or whole reply) adds (empty for a
+    usage-only chunk)."""
     text = ""
     for choice in chunk.get("choices") or []:
         text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
     return text
+
+
+def send(url: str, request: dict, timeout: float, *,
+         stop: Optional[Callable[[Outcome], bool]] = None,
+         within: Optional[float] = None) -> Outcome:
+    """POST `request` to <url>/completions and read the answer, whole or streamed as it asks.
+
+    Raises one of REQUEST_ERRORS for an HTTP error status, a connection that fails or drops, or
+    a body that is not JSON; whatever else came back is in the Outcome, unjudged. `timeout`
+    bounds each read; `within` bounds a whole stream, which a server could otherwise keep open
+    forever with a trickle. `stop(outcome)`, asked after each streamed chunk, closes the stream
+    when true (the server then cancels the request), and the outcome comes back cancelled.
+    """
+    sent = time.perf_counter()
+    outcome = Outcome(sent, sent, 0)
+    data = json.dumps(request).encode()
+    req = urllib.request.Request(f"{url}/completions", data=data,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        if request.get("stream"):
+            _read_stream(resp, outcome, stop, within)
+        else:
+            reply = json.loads(resp.read())
+            # Stop the clock only after the whole body is read: that is what a player waits for.
+            outcome.done_at = time.perf_counter()
+            outcome.text, outcome.usage = chunk_text(reply), reply["usage"]
+    if outcome.usage is not None and not outcome.cancelled:
+        outcome.completion_tokens = int(outcome.usage["completion_tokens"])
+        outcome.prompt_tokens = outcome.usage.get("prompt_tokens")
+    return outcome
+
+
+def _read_stream(resp, outcome: Outcome, stop, within: Optional[float]) -> None:
+    outcome.finished = False
+    give_up = None if within is None else outcome.sent_at + within
+    for data in sse_events(resp):
+        now = time.perf_counter()  # before parsing: the arrival, not our JSON speed
+        outcome.done_at = now
+        if give_up is not None and now > give_up:
+            outcome.overdue = True
+            return
+        if data == "[DONE]":
+            outcome.finished = True
+            break
+        chunk = json.loads(data)
+        if chunk.get("error"):
+            outcome.error = chunk
+            return
+        piece = chunk_text(chunk)
+        if piece:
+            outcome.chunk_times.append(now)
+            outcome.text += piece
+        outcome.usage = chunk.get("usage") or outcome.usage
+        if stop is not None and stop(outcome):
+            outcome.cancelled = True
+            return  # leaving the `with` closes the connection: the server cancels the request
+    outcome.done_at = time.perf_counter()
+
+
+def _judged(outcome: Outcome) -> Outcome:
+    """The outcome of a request that must have been answered whole; raises StreamError if not."""
+    if outcome.error is not None:
+        error = outcome.error["error"]
+        raise StreamError(error.get("message", error) if isinstance(error, dict) else error)
+    if outcome.usage is None and not outcome.cancelled:
+        raise StreamError("the stream ended without a usage chunk")
+    return outcome
+
+
+def complete(url: str, model: str, prompt: str, tokens: int, temperature: float,
+             ignore_eos: bool, timeout: float, extra: Optional[dict] = None) -> Outcome:
+    """One whole completion; raises one of REQUEST_ERRORS on failure."""
+    return _judged(send(url, body(model, prompt, tokens, temperature, ignore_eos, extra), timeout))
 
 
 def stream_complete(url: str, model: str, prompt: str, tokens: int, temperature: float,
@@ -135,29 +203,9 @@ def stream_complete(url: str, model: str, prompt: str, tokens: int, temperature:
     at the next chunk, which cancels the request on a server that notices disconnects, and
     the outcome comes back marked cancelled.
     """
-    body = _body(model, prompt, tokens, temperature, ignore_eos, extra)
-    body.update(stream=True, stream_options={"include_usage": True})
-    times: list[float] = []
-    usage = None
-    sent = time.perf_counter()
-    with _post(url, body, timeout) as resp:
-        for data in sse_events(resp):
-            now = time.perf_counter()  # before parsing: the arrival, not our JSON speed
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
-            if chunk.get("error"):
-                error = chunk["error"]
-                raise StreamError(error.get("message", error) if isinstance(error, dict) else error)
-            if chunk_text(chunk):
-                times.append(now)
-            usage = chunk.get("usage") or usage
-            if stop is not None and stop.is_set():
-                return Outcome(sent, now, 0, None, times, cancelled=True)
-    done = time.perf_counter()
-    if usage is None:
-        raise StreamError("the stream ended without a usage chunk")
-    return Outcome(sent, done, int(usage["completion_tokens"]), usage.get("prompt_tokens"), times)
+    request = body(model, prompt, tokens, temperature, ignore_eos, extra, stream=True)
+    return _judged(send(url, request, timeout,
+                        stop=None if stop is None else (lambda _: stop.is_set())))
 
 
 def request(url: str, model: str, prompt: str, tokens: int, *, temperature: float = 0.8,

@@ -1,4 +1,4 @@
-"""One soak request and what became of it.
+"""One soak request and what became of it: the soak's judge, on top of bench.client.
 
 Every request ends in exactly one of:
   answered  the whole answer came (a streamed one ended with [DONE])
@@ -18,7 +18,7 @@ import urllib.error
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
-from bench.client import _post, chunk_text, sse_events
+from bench import client
 
 ANSWERED, HUNG_UP, FAILED, LOST = "answered", "hung_up", "failed", "lost"
 SEED = 0  # with temperature 0 the seed changes nothing; sent so a sampling change would still repeat
@@ -52,16 +52,6 @@ class Attempt:
         return row
 
 
-def body(model: str, prompt: str, max_tokens: int, stream: bool) -> dict:
-    """Greedy, and every token written (ignore_eos): the same text whatever the batch, and a
-    truncated answer is seen by its length."""
-    request = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-               "seed": SEED, "ignore_eos": True}
-    if stream:
-        request.update(stream=True, stream_options={"include_usage": True})
-    return request
-
-
 def error_label(payload: dict) -> str:
     error = payload.get("error")
     if isinstance(error, dict):
@@ -76,13 +66,15 @@ def error_message(payload: dict) -> str:
 
 def send(url: str, model: str, prompt: str, max_tokens: int, attempt: Attempt, timeout: float,
          clock: Callable[[], float]) -> Attempt:
-    """Send the request, read what comes, and fill in `attempt`'s outcome."""
+    """Send the request (bench.client.send), and fill in `attempt`'s outcome from what came.
+
+    Greedy, and every token written (ignore_eos): the same text whatever the batch, and a
+    truncated answer is seen by its length. A streamed one must end within `timeout` as a whole,
+    not only between reads."""
+    request = client.body(model, prompt, max_tokens, 0, True, {"seed": SEED}, attempt.stream)
+    hang_up = (lambda o: len(o.chunk_times) >= attempt.hang_up_after) if attempt.hang_up_after else None
     try:
-        with _post(url, body(model, prompt, max_tokens, attempt.stream), timeout) as response:
-            if attempt.stream:
-                _read_stream(response, attempt, timeout, clock)
-            else:
-                _read_whole(response, attempt, clock)
+        outcome = client.send(url, request, timeout, stop=hang_up, within=timeout)
     except urllib.error.HTTPError as exc:
         try:
             payload = json.loads(exc.read())
@@ -104,54 +96,32 @@ def send(url: str, model: str, prompt: str, max_tokens: int, attempt: Attempt, t
     except (ValueError, KeyError, IndexError, TypeError) as exc:
         _end(attempt, clock, LOST, f"unreadable answer ({type(exc).__name__})")
     else:
-        if not attempt.outcome:
-            _end(attempt, clock, ANSWERED, "")
+        _judge(attempt, outcome, clock)
     return attempt
+
+
+def _judge(attempt: Attempt, outcome: client.Outcome, clock) -> None:
+    """The outcome of a request the server answered with a 200: what came, and how it ended."""
+    attempt.text, attempt.ttft = outcome.text, outcome.ttft
+    if outcome.usage:
+        attempt.completion_tokens = int(outcome.usage["completion_tokens"])
+    if outcome.overdue:
+        _end(attempt, clock, LOST, "no end within the client timeout")
+    elif outcome.error is not None:
+        attempt.message = error_message(outcome.error)
+        _end(attempt, clock, FAILED, f"stream error {error_label(outcome.error)}")
+    elif outcome.cancelled:
+        _end(attempt, clock, HUNG_UP, f"closed after {len(outcome.chunk_times)} chunk(s)")
+    elif not outcome.finished:
+        _end(attempt, clock, LOST, "stream ended without [DONE]")
+    elif not outcome.text:
+        _end(attempt, clock, LOST, "empty answer")
+    else:
+        _end(attempt, clock, ANSWERED, "")
 
 
 def _end(attempt: Attempt, clock, outcome: str, detail: str) -> None:
     attempt.done, attempt.outcome, attempt.detail = clock(), outcome, detail
-
-
-def _read_whole(response, attempt: Attempt, clock) -> None:
-    reply = json.loads(response.read())
-    attempt.text = reply["choices"][0]["text"]
-    attempt.completion_tokens = int(reply["usage"]["completion_tokens"])
-    if not attempt.text:
-        _end(attempt, clock, LOST, "empty answer")
-
-
-def _read_stream(response, attempt: Attempt, timeout: float, clock) -> None:
-    # The socket's timeout bounds each read; this bounds the whole stream, which a server could
-    # otherwise keep open forever with a trickle.
-    give_up, chunks, finished = attempt.sent + timeout, 0, False
-    for data in sse_events(response):
-        if clock() > give_up:
-            _end(attempt, clock, LOST, "no end within the client timeout")
-            return
-        if data == "[DONE]":
-            finished = True
-            break
-        chunk = json.loads(data)
-        if chunk.get("error"):
-            attempt.message = error_message(chunk)
-            _end(attempt, clock, FAILED, f"stream error {error_label(chunk)}")
-            return
-        piece = chunk_text(chunk)
-        if piece:
-            if attempt.ttft is None:
-                attempt.ttft = clock() - attempt.sent
-            attempt.text += piece
-            chunks += 1
-        if chunk.get("usage"):
-            attempt.completion_tokens = int(chunk["usage"]["completion_tokens"])
-        if attempt.hang_up_after and chunks >= attempt.hang_up_after:
-            _end(attempt, clock, HUNG_UP, f"closed after {chunks} chunk(s)")
-            return  # leaving the `with` closes the connection: the server cancels the request
-    if not finished:
-        _end(attempt, clock, LOST, "stream ended without [DONE]")
-    elif not attempt.text:
-        _end(attempt, clock, LOST, "empty answer")
 
 
 def compare(attempt: Attempt, reference: str) -> None:
