@@ -10,20 +10,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
-from bench import stack as stacks
+from bench.stack import stack
 from bench.load import format_row, plot, run_crowd, write_results
-
-
-@contextmanager
-def stack(batch: int, model: str, wait_ms: float, logs: Path, engine: str = "static"):
-    """A private redis-server, the API and one worker with --batch `batch`; yields the API's base
-    URL and model name. (bench.stack.stack is the general form, for any worker settings.)"""
-    env = {"ENGINE": engine, "BATCH": str(batch), "WAIT_MS": str(wait_ms)}
-    with stacks.stack(env, model, logs, label=f"{engine}-batch{batch}") as running:
-        yield running.url, running.model
 
 
 def main(argv=None) -> int:
@@ -42,8 +32,9 @@ def main(argv=None) -> int:
 
     runs = []
     for batch in args.batches:
-        with stack(batch, args.model, args.wait, Path("bench/results/logs"),
-                   args.engine) as (url, model):
+        env = {"ENGINE": args.engine, "BATCH": str(batch), "WAIT_MS": str(args.wait)}
+        with stack(env, args.model, Path("bench/results/logs"), f"{args.engine}-batch{batch}") as running:
+            url, model = running.url, running.model
             run = {"label": f"--batch {batch}", "batch": batch, "url": url, "model": model,
                    "tokens": args.tokens, "requests": args.requests, "ignore_eos": True, "rows": []}
             run_crowd(url, model, 1, 1, 8, progress=False)  # warm-up: the first pass is slower

@@ -28,7 +28,6 @@ import hashlib
 import json
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
@@ -43,7 +42,7 @@ import psutil
 import redis
 
 from bench.load import run_crowd
-from bench.stack import Running, stack
+from bench.stack import Stack, redis_server, stack
 from serve import free_port, wait_for_redis
 from shared import keys
 from shared.protocol import Final, Job, SamplingParams, TextDelta, encode_result
@@ -134,7 +133,7 @@ def cpu_seconds(pid: int) -> float:
         return 0.0
 
 
-def cpu_by_role(running: Running) -> dict[str, float]:
+def cpu_by_role(running: Stack) -> dict[str, float]:
     roles = {"redis": 0.0, "api": 0.0, "workers": 0.0}
     for name, process in running.processes.items():
         role = "workers" if name.startswith("worker") else name
@@ -415,9 +414,7 @@ def run_benchmark(args, say) -> list[dict]:
     if not Path(binary).exists():
         raise SystemExit(f"{binary} is not there: install Debian's redis-tools")
     port = free_port()
-    workdir = tempfile.mkdtemp(prefix="redis-cost-")
-    server = subprocess.Popen([shutil.which("redis-server") or "redis-server", "--port", str(port), "--save", "",
-                               "--appendonly", "no", "--dir", workdir], stdout=subprocess.DEVNULL)
+    server = redis_server(port, subprocess.DEVNULL)
     subscriber = None
     try:
         url = f"redis://127.0.0.1:{port}/0"
@@ -459,7 +456,6 @@ def run_benchmark(args, say) -> list[dict]:
             subscriber.terminate()
         server.terminate()
         server.wait(10)
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 # The ceiling

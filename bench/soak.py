@@ -3,8 +3,8 @@
     python -m bench.soak --duration 600            # 64 players, 2 workers of SmolLM2, ~11 minutes
     python -m bench.soak --model DIR --duration 120 --fault-every 30 --out /tmp/soak/reliability
 
-A fresh stack of its own (bench/faults.py): a persistent redis-server in a temporary directory,
-the API, and the workers. First a reference answer is taken for each distinct request, whole,
+A fresh stack of its own (bench/stack.py; the faults: bench/faults.py): a persistent redis-server
+in a temporary directory, the API, and the workers. First a reference answer is taken for each distinct request, whole,
 before any fault. Then the players send those requests for --duration seconds, some streamed,
 some hanging up after a few chunks, while the faults happen on their schedule. Every request ends
 answered, hung up on purpose, failed with a clear error, or lost (bench/soak_client.py).
@@ -34,10 +34,11 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 
-from bench.faults import FaultRunner, SoakStack, plan
+from bench.faults import FaultRunner, plan
 from bench.prompts import RequestShape
 from bench.soak_client import ANSWERED, FAILED, LOST, Attempt, compare, send
 from bench.soak_report import passed, summarize, write
+from bench.stack import Stack
 
 PROGRESS_EVERY_S = 10
 # The results live apart from the prose that reads them (docs/results/, docs/reliability.md).
@@ -92,7 +93,7 @@ def make_pool(args) -> list[tuple[str, int]]:
     return list(pool)
 
 
-def take_references(stack: SoakStack, pool: list[tuple[str, int]], timeout: float) -> list[str]:
+def take_references(stack: Stack, pool: list[tuple[str, int]], timeout: float) -> list[str]:
     """Each request's answer, whole, before any fault: what every later answer must be."""
     began = time.monotonic()
 
@@ -111,7 +112,7 @@ def take_references(stack: SoakStack, pool: list[tuple[str, int]], timeout: floa
     return [a.text for a in answers]
 
 
-def play(stack: SoakStack, pool, args, clock) -> list[Attempt]:
+def play(stack: Stack, pool, args, clock) -> list[Attempt]:
     """Every player sends requests back to back until --duration; returns every attempt."""
     attempts: list[Attempt] = []
     lock = threading.Lock()
@@ -156,7 +157,7 @@ def main(argv=None) -> int:
           f"{args.model}; faults at " + ", ".join(f"{f.at:g} s ({f.kind})" for f in faults) +
           f"; logs in {logs}", flush=True)
     with tempfile.TemporaryDirectory(prefix="storyteller-soak-") as data:
-        stack = SoakStack(args.model, args.workers, env, Path(data), logs)
+        stack = Stack(env, args.model, logs, "soak", args.workers, data_dir=Path(data))
         try:
             stack.start()
             print(f"stack up at {stack.url} ({stack.model}); taking {len(pool)} references", flush=True)
