@@ -8,15 +8,16 @@
                   text: what a prefix cache saves, seen in time to first token
     interference  a ~2,000-token prompt arrives while 16 players stream (bench.interference)
 
-Each scenario returns rows: dicts with a "case" (what the row is, e.g. "16 players") and the
-numbers bench.load or bench.interference measured. Sizes holds every knob, so one flag can
-shrink them all for a smoke run.
+Each is data (a Scenario): which sizes its crowd takes, streamed or not, EOS honoured or not;
+Scenario.run reads it and returns rows: dicts with a "case" (what the row is, e.g. "16
+players") and the numbers bench.load or bench.interference measured. Sizes holds every knob, so
+one flag can shrink them all for a smoke run.
 """
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field, replace
-from typing import Callable
+from dataclasses import dataclass, fields
+from typing import Optional
 
 from bench.interference import PERIODS, run_interference
 from bench.load import run_crowd
@@ -51,14 +52,6 @@ class Metric:
     better: str = "higher"  # or "lower": said in the table, so a ratio reads the right way
 
 
-@dataclass(frozen=True)
-class Scenario:
-    name: str
-    describe: Callable[[Sizes], str]
-    run: Callable[..., list[dict]]  # (url, model, sizes, seed, log) -> rows
-    metrics: tuple[Metric, ...] = field(default=())
-
-
 TPS = Metric("tokens_per_s", "tok/s", ".1f")
 MEDIAN = Metric("median_s", "median s", ".2f", "lower")
 P95 = Metric("p95_s", "p95 s", ".2f", "lower")
@@ -73,26 +66,53 @@ PREFIX_HITS = Metric("worker_prefix_hit_tokens", "prefix-cache hits (tokens)", "
 PREEMPTED = Metric("worker_preempted", "preempted", "d", "-")
 
 
-def _uniform(url, model, sizes: Sizes, seed: int, log) -> list[dict]:
-    rows = []
-    for players in sizes.players:
-        row = run_crowd(url, model, players, sizes.requests, sizes.tokens, seed=seed)
-        rows.append({"case": f"{players} players", **row})
-    return rows
+@dataclass(frozen=True)
+class Scenario:
+    """A workload, declared: which of the Sizes each part of it takes, and how it is asked.
+
+    `players`, `max_tokens`, `prompt_tokens` and `system_tokens` name fields of Sizes, so one
+    --smoke (or one flag) resizes every scenario that uses a knob. A crowd scenario is run by
+    bench.load.run_crowd, once per crowd size when `players` names several, each a row; an
+    interference one by bench.interference, a row per period and one for the long prompt.
+    `description` is filled in from the sizes (describe).
+    """
+    name: str
+    description: str
+    metrics: tuple[Metric, ...]
+    players: str = "players"  # Sizes field: a crowd size, or several (a row each)
+    max_tokens: str = "tokens"  # Sizes field: a fixed max_tokens, or a (min, max) span
+    prompt_tokens: Optional[str] = None  # Sizes field: a span of prompt lengths (None: one line)
+    system_tokens: Optional[str] = None  # Sizes field: the shared system text's length
+    stream: bool = False
+    ignore_eos: bool = True
+    interference: bool = False  # the players stream while a long prompt arrives
+
+    def describe(self, sizes: Sizes) -> str:
+        return self.description.format(**{f.name: _shown(f.name, getattr(sizes, f.name))
+                                          for f in fields(Sizes)})
+
+    def shape(self, sizes: Sizes) -> RequestShape:
+        tokens = getattr(sizes, self.max_tokens)
+        return RequestShape(max_tokens=tuple(tokens) if isinstance(tokens, tuple) else (tokens, tokens),
+                            prompt_tokens=getattr(sizes, self.prompt_tokens) if self.prompt_tokens else None,
+                            system_tokens=getattr(sizes, self.system_tokens) if self.system_tokens else 0)
+
+    def run(self, url: str, model: str, sizes: Sizes, seed: int, log) -> list[dict]:
+        """The scenario's rows, each a dict with its "case" and the numbers measured."""
+        if self.interference:
+            return _interference(url, model, sizes, seed, log)
+        crowds = getattr(sizes, self.players)
+        return [{"case": f"{players} players",
+                 **run_crowd(url, model, players, sizes.requests, seed=seed, shape=self.shape(sizes),
+                             ignore_eos=self.ignore_eos, stream=self.stream)}
+                for players in (crowds if isinstance(crowds, tuple) else (crowds,))]
 
 
-def _mixed(url, model, sizes: Sizes, seed: int, log) -> list[dict]:
-    shape = RequestShape(max_tokens=sizes.max_tokens, prompt_tokens=sizes.prompt_tokens)
-    row = run_crowd(url, model, sizes.crowd, sizes.requests, seed=seed, shape=shape,
-                    ignore_eos=False)
-    return [{"case": f"{sizes.crowd} players", **row}]
-
-
-def _prefix(url, model, sizes: Sizes, seed: int, log) -> list[dict]:
-    shape = replace(RequestShape.fixed(sizes.tokens), system_tokens=sizes.system_prompt_tokens)
-    row = run_crowd(url, model, sizes.stream_players, sizes.requests, seed=seed, shape=shape,
-                    stream=True)
-    return [{"case": f"{sizes.stream_players} players", **row}]
+def _shown(name: str, value) -> str:
+    """A size as a description says it: crowds 1/16/64, spans 20-1500, seconds 2."""
+    if isinstance(value, tuple):
+        return ("/" if name == "players" else "-").join(map(str, value))
+    return format(value, "g") if isinstance(value, float) else str(value)
 
 
 def _interference(url, model, sizes: Sizes, seed: int, log) -> list[dict]:
@@ -110,33 +130,25 @@ def _interference(url, model, sizes: Sizes, seed: int, log) -> list[dict]:
 
 
 SCENARIOS = {s.name: s for s in (
-    Scenario("uniform",
-             lambda z: f"{'/'.join(map(str, z.players))} players x {z.requests} requests x "
-                       f"{z.tokens} tokens, EOS ignored",
-             _uniform, (TPS, MEDIAN, P95, ERRORS)),
-    Scenario("mixed",
-             lambda z: f"{z.crowd} players x {z.requests} requests, prompts ~"
-                       f"{z.prompt_tokens[0]}-{z.prompt_tokens[1]} tokens, max_tokens "
-                       f"{z.max_tokens[0]}-{z.max_tokens[1]}, EOS honoured",
-             _mixed, (TPS, MEDIAN, P95, Metric("median_s_per_token", "s/token", ".4f", "lower"),
-                      Metric("tokens", "tokens written", "d", "-"),
-                      Metric("prompt_tokens_median", "prompt med", ".0f", "-"), PREFIX_HITS,
-                      PREEMPTED, ERRORS)),
-    Scenario("prefix",
-             lambda z: f"{z.stream_players} players x {z.requests} requests x {z.tokens} tokens, "
-                       f"streamed, each prompt opening with the same ~{z.system_prompt_tokens}"
-                       "-token system text",
-             _prefix, (TTFT_MEDIAN, TTFT_P95, TPS, MEDIAN, GAP_MEDIAN, GAP_P95, PREFIX_HITS,
-                       ERRORS)),
-    Scenario("interference",
-             lambda z: f"a ~{z.long_prompt_tokens}-token prompt arrives {z.delay:g} s into "
-                       f"{z.stream_players} players streaming {z.tokens}-token stories",
-             _interference,
-             (GAP_MEDIAN, GAP_P95, GAP_MAX,
-              Metric("max_over_median", "max/median", ".1f", "lower"),
+    Scenario("uniform", "{players} players x {requests} requests x {tokens} tokens, EOS ignored",
+             (TPS, MEDIAN, P95, ERRORS)),
+    Scenario("mixed", "{crowd} players x {requests} requests, prompts ~{prompt_tokens} tokens, "
+                      "max_tokens {max_tokens}, EOS honoured",
+             (TPS, MEDIAN, P95, Metric("median_s_per_token", "s/token", ".4f", "lower"),
+              Metric("tokens", "tokens written", "d", "-"),
+              Metric("prompt_tokens_median", "prompt med", ".0f", "-"), PREFIX_HITS, PREEMPTED, ERRORS),
+             players="crowd", max_tokens="max_tokens", prompt_tokens="prompt_tokens", ignore_eos=False),
+    Scenario("prefix", "{stream_players} players x {requests} requests x {tokens} tokens, streamed, "
+                       "each prompt opening with the same ~{system_prompt_tokens}-token system text",
+             (TTFT_MEDIAN, TTFT_P95, TPS, MEDIAN, GAP_MEDIAN, GAP_P95, PREFIX_HITS, ERRORS),
+             players="stream_players", system_tokens="system_prompt_tokens", stream=True),
+    Scenario("interference", "a ~{long_prompt_tokens}-token prompt arrives {delay} s into "
+                             "{stream_players} players streaming {tokens}-token stories",
+             (GAP_MEDIAN, GAP_P95, GAP_MAX, Metric("max_over_median", "max/median", ".1f", "lower"),
               Metric("long_ttft_s", "long TTFT s", ".2f", "lower"),
               Metric("stall_ratio", "stall x", ".1f", "lower"),
-              Metric("player_ttft_while_max_s", "players TTFT max s", ".2f", "lower"), ERRORS)),
+              Metric("player_ttft_while_max_s", "players TTFT max s", ".2f", "lower"), ERRORS),
+             players="stream_players", stream=True, interference=True),
 )}
 
 
