@@ -60,6 +60,13 @@ def real_redis(redis_server):
     client.flushdb()
 
 
+@pytest.fixture(params=["fakeredis", "redis-server"])
+def any_redis(request):
+    """fakeredis, then a real redis-server: a test of what crosses Redis runs on both, so that
+    fakeredis' shortcuts (its blocking pops answer at once, its scripts' edge cases) hide nothing."""
+    return request.getfixturevalue("fake_redis" if request.param == "fakeredis" else "real_redis")
+
+
 @pytest.fixture
 def redis_alone(tmp_path):
     """A redis-server of the test's own, for one that stops it or must not share its keys."""

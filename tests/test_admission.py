@@ -13,13 +13,8 @@ from api.errors import ApiError
 from shared import keys
 from shared.protocol import Job, SamplingParams, WorkerInfo
 from shared.settings import Settings
-from tests.test_api_errors import MODEL, _completion, _error, _register_worker
+from tests.fake_workers import MODEL, completion_body, openai_error, register_worker
 from worker.job_queue import JobQueue
-
-
-@pytest.fixture(params=["fakeredis", "redis-server"])
-def client(request):
-    return request.getfixturevalue("fake_redis" if request.param == "fakeredis" else "real_redis")
 
 
 def _jobs(n: int, priority: int = 0, tag: str = "j") -> list[Job]:
@@ -27,12 +22,12 @@ def _jobs(n: int, priority: int = 0, tag: str = "j") -> list[Job]:
                 timeout_s=60, priority=priority) for i in range(n)]
 
 
-def _waiting(client) -> int:
-    return sum(client.llen(q) for q in keys.queues(MODEL))
+def _waiting(any_redis) -> int:
+    return sum(any_redis.llen(q) for q in keys.queues(MODEL))
 
 
-def test_jobs_are_pushed_all_or_none_under_the_cap_across_priorities(client):
-    admission = Admission(client, max_queue=5)
+def test_jobs_are_pushed_all_or_none_under_the_cap_across_priorities(any_redis):
+    admission = Admission(any_redis, max_queue=5)
     admission.push(_jobs(3, priority=4, tag="a"), cap=5)
     admission.push(_jobs(2, priority=-2, tag="b"), cap=5)
     with pytest.raises(ApiError) as refused:
@@ -41,9 +36,9 @@ def test_jobs_are_pushed_all_or_none_under_the_cap_across_priorities(client):
     assert refused.value.retry_after == RETRY_STALLED_S  # nothing has been taken lately
     with pytest.raises(ApiError):
         admission.check(MODEL, 1, cap=5)
-    assert _waiting(client) == 5
+    assert _waiting(any_redis) == 5
     admission.push(_jobs(50, tag="d"), cap=0)  # 0: unbounded
-    assert _waiting(client) == 55
+    assert _waiting(any_redis) == 55
 
 
 def test_a_burst_from_many_threads_gets_exactly_the_cap_through(real_redis):
@@ -61,11 +56,11 @@ def test_a_burst_from_many_threads_gets_exactly_the_cap_through(real_redis):
     assert sum(accepted) == 20 and _waiting(real_redis) == 20
 
 
-def test_retry_after_follows_the_rate_workers_take_jobs(client):
-    admission = Admission(client, max_queue=10)
+def test_retry_after_follows_the_rate_workers_take_jobs(any_redis):
+    admission = Admission(any_redis, max_queue=10)
     admission.push(_jobs(10), cap=10)
     # A worker takes 6 jobs (the take script counts them per second), 10 more arrive.
-    JobQueue(client, "w1", MODEL).take(limit=6, wait_s=0, block_s=0)
+    JobQueue(any_redis, "w1", MODEL).take(limit=6, wait_s=0, block_s=0)
     admission.push(_jobs(6, tag="more"), cap=10)
     with pytest.raises(ApiError) as refused:
         admission.push(_jobs(4, tag="late"), cap=10)
@@ -77,18 +72,18 @@ def test_retry_after_follows_the_rate_workers_take_jobs(client):
 
 
 def test_the_api_answers_429_in_openai_shape_before_tokenizing_or_queueing(fake_redis):
-    _register_worker(fake_redis)
+    register_worker(fake_redis)
     client = create_app(Settings(max_queue=2, request_timeout=5), client=fake_redis).test_client()
     fake_redis.rpush(keys.queue(MODEL), *[j.to_json() for j in _jobs(2)])
-    response = client.post("/v1/completions", json=_completion(n=1))
-    _error(response, 429, code="queue_full")
+    response = client.post("/v1/completions", json=completion_body(n=1))
+    openai_error(response, 429, code="queue_full")
     assert int(response.headers["Retry-After"]) >= 1
     assert response.get_json()["error"]["type"] == "rate_limit_error"
     assert _waiting(fake_redis) == 2
 
 
 def test_the_default_cap_is_sized_from_the_live_workers(fake_redis):
-    _register_worker(fake_redis)  # batch 4
+    register_worker(fake_redis)  # batch 4
     admission = Admission(fake_redis, max_queue=-1)
     worker = fake_redis.get(keys.heartbeat(MODEL, "w1"))
     assert admission.cap([WorkerInfo.from_json(worker)]) == 16

@@ -13,8 +13,7 @@ import pytest
 
 from api.admission import Admission
 from api.metrics import QueueCollector
-from shared import keys
-from shared import metrics as names
+from shared import keys, metrics as names
 from shared.protocol import Job, SamplingParams
 from worker import clock
 from worker.clock import RedisClock
@@ -23,18 +22,13 @@ from worker.job_queue import JobQueue
 MODEL = "clocked"
 
 
-@pytest.fixture(params=["fakeredis", "redis-server"])
-def client(request):
-    return request.getfixturevalue("fake_redis" if request.param == "fakeredis" else "real_redis")
-
-
 def _job(job_id: str = "j-0", stop: tuple[str, ...] = (), priority: int = 0, timeout_s: float = 60) -> Job:
     return Job(id=job_id, model=MODEL, prompt_ids=[5, 6], params=SamplingParams(stop=list(stop)),
                timeout_s=timeout_s, priority=priority)
 
 
-def _redis_time(client) -> float:
-    seconds, microseconds = client.time()
+def _redis_time(any_redis) -> float:
+    seconds, microseconds = any_redis.time()
     return seconds + microseconds / 1e6
 
 
@@ -60,24 +54,24 @@ def test_redis_clock_is_read_from_the_monotonic_clock_at_the_middle_of_the_round
     assert redis_clock.now() == pytest.approx(5003.0)
 
 
-def test_a_worker_whose_wall_clock_is_off_still_reads_redis_clock(client, monkeypatch):
-    queue = JobQueue(client, "w-clock", MODEL)
-    client.ping()  # connected: the sync's round trip, its error's bound, is Redis' answer alone
+def test_a_worker_whose_wall_clock_is_off_still_reads_redis_clock(any_redis, monkeypatch):
+    queue = JobQueue(any_redis, "w-clock", MODEL)
+    any_redis.ping()  # connected: the sync's round trip, its error's bound, is Redis' answer alone
     synced = queue.sync_clock()
-    assert abs(synced - _redis_time(client)) < 0.5
+    assert abs(synced - _redis_time(any_redis)) < 0.5
     assert abs(clock.wall(-600.0) - (time.time() - 600)) < 0.5  # the clock_skew_s fault
     time.sleep(0.2)
-    assert abs(queue.clock.now() - _redis_time(client)) < 0.1
+    assert abs(queue.clock.now() - _redis_time(any_redis)) < 0.1
 
 
-def test_the_admission_script_stamps_each_job_with_redis_time_and_keeps_id_first_and_priority_last(client):
+def test_the_admission_script_stamps_each_job_with_redis_time_and_keeps_id_first_and_priority_last(any_redis):
     # A stop string spelling the field must not be taken for it: inside JSON its quotes are escaped.
     trap = '"enqueued_at":0.0,'
     jobs = [_job("j-0", stop=(trap,), priority=3), _job("j-1", priority=3)]
-    before = _redis_time(client)
-    Admission(client, max_queue=0).push(jobs, cap=0)
-    after = _redis_time(client)
-    raws = client.lrange(keys.queue(MODEL, 3), 0, -1)
+    before = _redis_time(any_redis)
+    Admission(any_redis, max_queue=0).push(jobs, cap=0)
+    after = _redis_time(any_redis)
+    raws = any_redis.lrange(keys.queue(MODEL, 3), 0, -1)
     assert len(raws) == 2
     for raw in raws:
         text = raw.decode()

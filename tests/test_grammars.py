@@ -155,10 +155,6 @@ def test_a_tools_constraint_gives_way_to_tool_choice_none(smollm2):
 
 # Stored once, under its hash --------------------------------------------------------------------
 
-@pytest.fixture(params=["fake_redis", "real_redis"])
-def any_redis(request):
-    return request.getfixturevalue(request.param)
-
 
 def test_a_grammar_is_stored_once_under_its_hash_with_a_ttl(smollm2, any_redis):
     grammar = _grammar(smollm2, _chat(response_format=JSON_SCHEMA))
@@ -337,4 +333,3 @@ def test_a_large_grammars_check_leaves_gevents_loop_running():
     inline, pooled = _gevent_run("inline"), _gevent_run("pool")
     assert all(gap >= 0.8 * took for gap, took in zip(inline["gap"], inline["took"])), inline
     assert sorted(pooled["gap"])[1] < 0.5 * sorted(pooled["took"])[1], pooled
-

@@ -7,18 +7,17 @@ import io
 import pytest
 
 from api.app import create_app
-from api.validation import (MAX_CHOICES, MAX_MESSAGES, MAX_STOP_CHARS, MAX_TOTAL_CHOICES, parse_chat,
-                            parse_completion)
+from api.validation import MAX_CHOICES, MAX_MESSAGES, MAX_STOP_CHARS, MAX_TOTAL_CHOICES, parse_chat, parse_completion
 from shared import keys
 from shared.settings import Settings
-from tests.test_api_errors import CONTEXT, MODEL, _error, _register_worker
+from tests.fake_workers import CONTEXT, MODEL, openai_error, register_worker
 
 CHAT = [{"role": "user", "content": "A dragon?"}]
 
 
 @pytest.fixture
 def served(fake_redis):
-    _register_worker(fake_redis)
+    register_worker(fake_redis)
     return create_app(Settings(request_timeout=5), client=fake_redis).test_client()
 
 
@@ -41,7 +40,7 @@ def _nothing_queued(fake_redis) -> None:
      "stream_options.include_usage"),
 ])
 def test_a_request_past_a_limit_gets_a_400_naming_the_field(served, fake_redis, path, body, param):
-    error = _error(served.post(path, json={"model": MODEL, **body}), 400, param=param)
+    error = openai_error(served.post(path, json={"model": MODEL, **body}), 400, param=param)
     assert error["type"] == "invalid_request_error"
     _nothing_queued(fake_redis)
 
@@ -55,8 +54,8 @@ def test_the_limits_themselves_are_accepted():
 
 
 def test_the_error_for_max_tokens_says_what_the_window_is(served):
-    error = _error(served.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 500}),
-                   400, param="max_tokens", code="invalid_value")
+    error = openai_error(served.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 500}),
+                         400, param="max_tokens", code="invalid_value")
     assert "500" in error["message"] and str(CONTEXT) in error["message"]
 
 
@@ -71,7 +70,7 @@ def test_a_null_max_completion_tokens_leaves_max_tokens_in_charge():
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "dragon " * CONTEXT}]}, "messages"),
 ])
 def test_a_prompt_past_the_context_window_names_its_field(served, fake_redis, path, body, param):
-    _error(served.post(path, json={"model": MODEL, **body}), 400, param=param, code="context_length_exceeded")
+    openai_error(served.post(path, json={"model": MODEL, **body}), 400, param=param, code="context_length_exceeded")
     _nothing_queued(fake_redis)
 
 
@@ -82,7 +81,7 @@ def test_a_lone_surrogate_anywhere_gets_a_400(served, fake_redis, field, value):
     # Python's json reads "\ud800" into a str that no tokenizer nor Redis can encode.
     body = '{"model": "%s", "prompt": "hi", "%s": %s}' % (MODEL, field, _escaped(value))
     response = served.post("/v1/completions", data=body, content_type="application/json")
-    _error(response, 400, code="invalid_json")
+    openai_error(response, 400, code="invalid_json")
     _nothing_queued(fake_redis)
 
 
@@ -99,7 +98,7 @@ def test_json_nested_deeper_than_the_stack_gets_a_400_not_a_500(served, depth):
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/batches"):
         body = '{"model": "%s", "prompt": "hi", "user": %s}' % (MODEL, nested)
         # Parsed (a 400 for the field) or not (a 400 for the JSON): whichever, no RecursionError's 500.
-        _error(served.post(path, data=body, content_type="application/json"), 400)
+        openai_error(served.post(path, data=body, content_type="application/json"), 400)
     line = '{"custom_id": "1", "method": "POST", "url": "/v1/completions", "body": %s}' % nested
     upload = served.post("/v1/files", data={"purpose": "batch", "file": (io.BytesIO(line.encode()), "deep.jsonl")})
-    assert "line 1" in _error(upload, 400, param="file")["message"]
+    assert "line 1" in openai_error(upload, 400, param="file")["message"]

@@ -22,10 +22,8 @@ from api.tokenizers import Tokenizer
 from shared.protocol import Final, Job, SamplingParams, TextDelta
 from shared.settings import Settings
 from tests.engines import SETTINGS, make_engine, write
+from tests.queue_jobs import MODEL as QUEUE_MODEL, die_holding, messages_heard, push_job, subscribe_to
 from tests.test_integration import MODEL, client, stack  # noqa: F401 (fixtures: a real stack)
-from tests.test_job_queue import MODEL as QUEUE_MODEL, _die
-from tests.test_leases import _heard, _listen
-from tests.test_resume import _push_job
 from tests.tiny_models import tiny_tokenizer
 from worker import job_queue
 from worker.continuous import engine as continuous
@@ -210,15 +208,15 @@ def test_a_dead_workers_logprobs_job_is_heard_once_written_again(fake_redis, mon
     job = Job(id="job-0", model=QUEUE_MODEL, prompt_ids=[21, 45, 33, 190, 7], timeout_s=60, stream=True,
               params=SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=3, logprobs=2))
     [undisturbed] = write(make_engine(tiny_llama), [job])
-    _push_job(fake_redis, job)
-    pubsub = _listen(fake_redis, job.id)
+    push_job(fake_redis, job)
+    pubsub = subscribe_to(fake_redis, job.id)
     first = JobQueue(fake_redis, "first", QUEUE_MODEL)
     [taken] = first.take(limit=1, wait_s=0, block_s=1)
     engine = make_engine(tiny_llama)
     seq = engine.add(taken)
     while len(seq.output_ids) < 5:
         first.publish(engine.step())
-    _die(first, fake_redis)
+    die_holding(first, fake_redis)
     second = JobQueue(fake_redis, "second", QUEUE_MODEL)
     assert second.requeue_dead_workers() == 1
     [again] = second.take(limit=1, wait_s=0, block_s=1)
@@ -229,7 +227,7 @@ def test_a_dead_workers_logprobs_job_is_heard_once_written_again(fake_redis, mon
     while fresh.busy:
         second.publish(fresh.step())
     heard, state, final = "", StreamState(1), None
-    for _, message in _heard(pubsub):
+    for _, message in messages_heard(pubsub):
         new = _unsent(heard, message.offset if isinstance(message, TextDelta) else 0, message.text)
         assert new is not None
         heard += new

@@ -28,8 +28,8 @@ from api.broker import RESUBSCRIBED, Subscriber
 from shared import keys
 from shared.protocol import Final, TextDelta, encode_result
 from shared.settings import Settings
+from tests.fake_workers import MODEL, register_worker
 from tests.processes import RedisServer, get_json, logs, start_api, stop, wait_until
-from tests.test_api_errors import MODEL, _register_worker
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -46,7 +46,7 @@ class SlowWorker:
 
     def __init__(self, server: RedisServer, on_all_held):
         self.redis = server.client()
-        self.queue = _register_worker(self.redis)
+        self.queue = register_worker(self.redis)
         self.on_all_held = on_all_held
         self.error = None
         self.held = 0  # jobs taken so far: it writes nothing until it holds all PLAYERS

@@ -19,13 +19,12 @@ from redis.retry import Retry
 
 import api.__main__
 from api.app import create_app
-from shared import keys
-from shared import metrics as names
+from shared import keys, metrics as names
 from shared.protocol import Failure, Final, Job, SamplingParams, TextDelta, encode_result
 from shared.settings import Settings
 from tests.engines import make_engine
+from tests.fake_workers import MODEL as FAKE_MODEL, next_job, register_worker
 from tests.processes import free_port
-from tests.test_api_errors import MODEL as FAKE_MODEL, _register_worker, next_job
 from worker.metrics import EngineCollector, WorkerMetrics
 from worker.static_engine import StaticEngine
 
@@ -111,7 +110,7 @@ def _stand_in_worker(client, answers: int, fail: bool = False) -> threading.Thre
 
 
 def test_token_counters_are_the_sum_of_usage_and_streams_time_their_first_token(fake_redis):
-    _register_worker(fake_redis)
+    register_worker(fake_redis)
     client = create_app(Settings(request_timeout=5), client=fake_redis).test_client()
     before = _metrics(client)
     _stand_in_worker(fake_redis, answers=4)
@@ -134,7 +133,7 @@ def test_token_counters_are_the_sum_of_usage_and_streams_time_their_first_token(
 
 
 def test_an_error_inside_a_stream_is_counted_by_its_code(fake_redis):
-    _register_worker(fake_redis)
+    register_worker(fake_redis)
     client = create_app(Settings(request_timeout=5), client=fake_redis).test_client()
     before = _metrics(client)
     _stand_in_worker(fake_redis, answers=1, fail=True)
@@ -153,7 +152,7 @@ def _queue_job(client, model: str, priority: int, enqueued_at: float) -> None:
 
 
 def test_queues_workers_and_worker_starts_are_read_from_redis_when_scraped(fake_redis, api_client):
-    queue = _register_worker(fake_redis)  # alive: a heartbeat
+    queue = register_worker(fake_redis)  # alive: a heartbeat
     queue.count_start(), queue.count_start()  # it started twice (a restart)
     now = time.time()
     _queue_job(fake_redis, FAKE_MODEL, 0, now - 30)

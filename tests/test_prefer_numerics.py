@@ -11,7 +11,7 @@ import time
 import pytest
 
 from shared import keys
-from tests.test_job_queue import MODEL, _announce, _die, _ids, _push, client  # noqa: F401 (a fixture)
+from tests.queue_jobs import MODEL, announce_worker, die_holding, job_ids_of, push_jobs
 from worker import job_queue
 from worker.job_queue import JobQueue
 
@@ -23,98 +23,98 @@ def window(monkeypatch):
     monkeypatch.setattr(job_queue, "PREFER_SAME_NUMERICS_S", WINDOW_S)
 
 
-def _live(client, worker_id: str, numerics: str) -> JobQueue:
-    queue = JobQueue(client, worker_id, MODEL, numerics=numerics)
-    _announce(queue, ttl_s=60)  # a heartbeat that outlives the test
+def _live(any_redis, worker_id: str, numerics: str) -> JobQueue:
+    queue = JobQueue(any_redis, worker_id, MODEL, numerics=numerics)
+    announce_worker(queue, ttl_s=60)  # a heartbeat that outlives the test
     return queue
 
 
-def _dead_holding(client, numerics: str, count: int) -> None:
+def _dead_holding(any_redis, numerics: str, count: int) -> None:
     """A worker of `numerics` took `count` jobs and died: they are back at the front of the queue."""
-    dead = JobQueue(client, "dead", MODEL, numerics=numerics)
+    dead = JobQueue(any_redis, "dead", MODEL, numerics=numerics)
     assert len(dead.take(limit=count, wait_s=0, block_s=1)) == count
-    _die(dead, client)
-    assert JobQueue(client, "finder", MODEL).requeue_dead_workers() == count
+    die_holding(dead, any_redis)
+    assert JobQueue(any_redis, "finder", MODEL).requeue_dead_workers() == count
 
 
-def test_a_worker_of_another_numerics_passes_a_requeued_job_over_and_takes_what_is_behind_it(client, caplog):
-    _push(client, 0, 1, 2)
-    _dead_holding(client, "A", 1)
-    same, other = _live(client, "same", "A"), _live(client, "other", "B")
-    client.delete(keys.wake(MODEL))  # the requeue's token
+def test_a_worker_of_another_numerics_passes_a_requeued_job_over_and_takes_what_is_behind_it(any_redis, caplog):
+    push_jobs(any_redis, 0, 1, 2)
+    _dead_holding(any_redis, "A", 1)
+    same, other = _live(any_redis, "same", "A"), _live(any_redis, "other", "B")
+    any_redis.delete(keys.wake(MODEL))  # the requeue's token
     with caplog.at_level(logging.INFO):
-        assert _ids(other.take(limit=1, wait_s=0, block_s=0)) == ["job-1"]
-        assert client.llen(keys.wake(MODEL)) == 1  # for job-2, which it left
-        assert _ids(other.take(limit=1, wait_s=0, block_s=0)) == ["job-2"]
-        client.delete(keys.wake(MODEL))
+        assert job_ids_of(other.take(limit=1, wait_s=0, block_s=0)) == ["job-1"]
+        assert any_redis.llen(keys.wake(MODEL)) == 1  # for job-2, which it left
+        assert job_ids_of(other.take(limit=1, wait_s=0, block_s=0)) == ["job-2"]
+        any_redis.delete(keys.wake(MODEL))
         assert other.take(limit=4, wait_s=0, block_s=0) == []
     # Counted and logged once, though each take passed it over; no wake-up for it: an idle worker of
     # another numerics would take its own token back at once, and spin.
     assert other.left_for_numerics[MODEL] == 1
     assert caplog.text.count("job job-0: left for up to 0.5 s to a live worker of numerics A") == 1
-    assert client.llen(keys.wake(MODEL)) == 0
-    assert _ids(same.take(limit=4, wait_s=0, block_s=0)) == ["job-0"]
-    assert client.llen(keys.queue(MODEL)) == 0
+    assert any_redis.llen(keys.wake(MODEL)) == 0
+    assert job_ids_of(same.take(limit=4, wait_s=0, block_s=0)) == ["job-0"]
+    assert any_redis.llen(keys.queue(MODEL)) == 0
 
 
-def test_after_its_time_any_worker_takes_it_first_in_line(client):
-    _push(client, 0, 1)
-    _dead_holding(client, "A", 1)
-    _live(client, "same", "A")
-    other = _live(client, "other", "B")
+def test_after_its_time_any_worker_takes_it_first_in_line(any_redis):
+    push_jobs(any_redis, 0, 1)
+    _dead_holding(any_redis, "A", 1)
+    _live(any_redis, "same", "A")
+    other = _live(any_redis, "other", "B")
     assert other.take(limit=1, wait_s=0, block_s=0)[0].id == "job-1"
     time.sleep(WINDOW_S + 0.1)  # the stamp expires, in Redis' clock
-    _push(client, 2)
-    assert _ids(other.take(limit=4, wait_s=0, block_s=0)) == ["job-0", "job-2"]
+    push_jobs(any_redis, 2)
+    assert job_ids_of(other.take(limit=4, wait_s=0, block_s=0)) == ["job-0", "job-2"]
 
 
-def test_without_a_live_worker_of_its_numerics_that_takes_jobs_it_is_not_passed_over(client):
-    _push(client, 0)
-    _dead_holding(client, "A", 1)
-    _die(JobQueue(client, "stale", MODEL, numerics="A"), client)  # registered, its heartbeat gone
-    _announce(JobQueue(client, "draining", MODEL, numerics="A"), ttl_s=60, draining=True)  # takes nothing
-    other = _live(client, "other", "B")
-    assert _ids(other.take(limit=4, wait_s=0, block_s=0)) == ["job-0"]
+def test_without_a_live_worker_of_its_numerics_that_takes_jobs_it_is_not_passed_over(any_redis):
+    push_jobs(any_redis, 0)
+    _dead_holding(any_redis, "A", 1)
+    die_holding(JobQueue(any_redis, "stale", MODEL, numerics="A"), any_redis)  # registered, its heartbeat gone
+    announce_worker(JobQueue(any_redis, "draining", MODEL, numerics="A"), ttl_s=60, draining=True)  # takes nothing
+    other = _live(any_redis, "other", "B")
+    assert job_ids_of(other.take(limit=4, wait_s=0, block_s=0)) == ["job-0"]
     assert other.left_for_numerics[MODEL] == 0
 
 
-def test_a_job_that_was_never_requeued_or_whose_worker_had_no_numerics_is_taken_as_ever(client):
-    _push(client, 0, 1)
-    _dead_holding(client, "", 1)  # a worker that announced no fingerprint
-    other = _live(client, "other", "B")
-    assert not client.exists(keys.written_by(MODEL, "job-0"))
-    assert _ids(other.take(limit=4, wait_s=0, block_s=0)) == ["job-0", "job-1"]
+def test_a_job_that_was_never_requeued_or_whose_worker_had_no_numerics_is_taken_as_ever(any_redis):
+    push_jobs(any_redis, 0, 1)
+    _dead_holding(any_redis, "", 1)  # a worker that announced no fingerprint
+    other = _live(any_redis, "other", "B")
+    assert not any_redis.exists(keys.written_by(MODEL, "job-0"))
+    assert job_ids_of(other.take(limit=4, wait_s=0, block_s=0)) == ["job-0", "job-1"]
 
 
-def test_priority_and_the_last_retry_still_hold(client):
+def test_priority_and_the_last_retry_still_hold(any_redis):
     # A dead worker's urgent job waits for its numerics; the other worker goes on behind it in the
     # same queue, before any less urgent one.
-    _push(client, 0, 1, priority=-3)
-    _push(client, 2, priority=0)
-    _dead_holding(client, "A", 1)
-    same, other = _live(client, "same", "A"), _live(client, "other", "B")
-    assert _ids(other.take(limit=1, wait_s=0, block_s=0)) == ["job-1"]
-    assert _ids(same.take(limit=4, wait_s=0, block_s=0)) == ["job-0", "job-2"]
+    push_jobs(any_redis, 0, 1, priority=-3)
+    push_jobs(any_redis, 2, priority=0)
+    _dead_holding(any_redis, "A", 1)
+    same, other = _live(any_redis, "same", "A"), _live(any_redis, "other", "B")
+    assert job_ids_of(other.take(limit=1, wait_s=0, block_s=0)) == ["job-1"]
+    assert job_ids_of(same.take(limit=4, wait_s=0, block_s=0)) == ["job-0", "job-2"]
     # A last retry (its worker died once, max_attempts 1) passed over by a worker of another
     # numerics, and taken by one of its own only alone.
     for queue in (same, other):
         queue.max_attempts = 1
-    _push(client, 3)
-    _dead_holding(client, "A", 1)
-    _announce(same, ttl_s=60)  # its next heartbeat (the dead one's last had the fingerprint's expire sooner)
-    _push(client, 4)
-    assert _ids(other.take(limit=4, wait_s=0, block_s=0, alone_ok=True)) == ["job-4"]
+    push_jobs(any_redis, 3)
+    _dead_holding(any_redis, "A", 1)
+    announce_worker(same, ttl_s=60)  # its next heartbeat (the dead one's last had the fingerprint's expire sooner)
+    push_jobs(any_redis, 4)
+    assert job_ids_of(other.take(limit=4, wait_s=0, block_s=0, alone_ok=True)) == ["job-4"]
     assert same.take(limit=4, wait_s=0, block_s=0, alone_ok=False) == []
-    assert _ids(same.take(limit=4, wait_s=0, block_s=0, alone_ok=True)) == ["job-3"]
+    assert job_ids_of(same.take(limit=4, wait_s=0, block_s=0, alone_ok=True)) == ["job-3"]
     assert same.isolated == {"job-3"}
 
 
-def test_a_take_passes_over_a_bounded_number(client, monkeypatch):
+def test_a_take_passes_over_a_bounded_number(any_redis, monkeypatch):
     monkeypatch.setattr(job_queue, "PASS_OVER_AT_MOST", 2)
-    _push(client, 0, 1, 2, 3)
-    _dead_holding(client, "A", 3)
-    _live(client, "same", "A")
-    other = _live(client, "other", "B")
+    push_jobs(any_redis, 0, 1, 2, 3)
+    _dead_holding(any_redis, "A", 3)
+    _live(any_redis, "same", "A")
+    other = _live(any_redis, "other", "B")
     assert other.take(limit=4, wait_s=0, block_s=0) == []  # stops after two passed over
     time.sleep(WINDOW_S + 0.1)
-    assert _ids(other.take(limit=4, wait_s=0, block_s=0)) == ["job-0", "job-1", "job-2", "job-3"]
+    assert job_ids_of(other.take(limit=4, wait_s=0, block_s=0)) == ["job-0", "job-1", "job-2", "job-3"]

@@ -28,8 +28,8 @@ from shared import keys
 from shared.protocol import (FEATURE_GRAMMAR, FEATURE_LOGPROBS, FEATURE_PENALTIES, FEATURE_PROMPT_LOGPROBS, FEATURES,
                              PARAM_FEATURES, SamplingParams, WorkerInfo, features_needed, params_json)
 from shared.settings import Settings
+from tests.fake_workers import MODEL, answer_in_background, openai_error, register_worker, seen_jobs
 from tests.processes import models_served, start, stop, wait_until
-from tests.test_api_errors import MODEL, _answer_in_background, _error, _register_worker, _seen_jobs
 from tests.test_integration import client, stack  # noqa: F401 (a real stack's fixtures, reused)
 from worker.static_engine import unsupported_params
 
@@ -51,7 +51,7 @@ def _announce(fake_redis, queue, features) -> None:
 @pytest.fixture
 def served(fake_redis):
     """The API with one stand-in worker that announces every feature."""
-    queue = _register_worker(fake_redis)
+    queue = register_worker(fake_redis)
     _announce(fake_redis, queue, FEATURES)
     return create_app(Settings(request_timeout=5), client=fake_redis).test_client(), queue
 
@@ -71,33 +71,33 @@ def _nothing_queued(fake_redis) -> None:
 ])
 def test_an_unknown_field_is_a_400_naming_it(served, fake_redis, path, name):
     api, _ = served
-    error = _error(api.post(path, json=_body(path, **{name: 1})), 400, param=name, code="unknown_parameter")
+    error = openai_error(api.post(path, json=_body(path, **{name: 1})), 400, param=name, code="unknown_parameter")
     assert error["message"] == f"Unrecognized request argument supplied: {name}"
     _nothing_queued(fake_redis)
 
 
 def test_an_unknown_field_with_null_is_still_unknown(served):
     api, _ = served
-    _error(api.post(COMPLETIONS, json=_body(COMPLETIONS, foo=None)), 400, param="foo", code="unknown_parameter")
+    openai_error(api.post(COMPLETIONS, json=_body(COMPLETIONS, foo=None)), 400, param="foo", code="unknown_parameter")
 
 
 def test_lenient_logs_each_unknown_field_once_and_ignores_it(fake_redis, caplog):
-    queue = _register_worker(fake_redis)
+    queue = register_worker(fake_redis)
     api = create_app(Settings(request_timeout=5, lenient=True), client=fake_redis).test_client()
     validation._warned_unknown.discard("lenient_extra")
     with caplog.at_level(logging.WARNING, logger="api.validation"):
         for _ in range(2):
-            _answer_in_background(fake_redis, queue)
+            answer_in_background(fake_redis, queue)
             response = api.post(COMPLETIONS, json=_body(COMPLETIONS, lenient_extra={"x": 1}, max_tokens=2))
             assert response.status_code == 200, response.get_data(as_text=True)
     warnings = [r for r in caplog.records if "lenient_extra" in r.getMessage()]
     assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
-    assert params_json(_seen_jobs[0].params) == {"max_tokens": 2, "seed": _seen_jobs[0].params.seed}
+    assert params_json(seen_jobs[0].params) == {"max_tokens": 2, "seed": seen_jobs[0].params.seed}
     # Lenient is about unknown fields only: a known field this server cannot honour is still refused.
-    _error(api.post(COMPLETIONS, json=_body(COMPLETIONS, suffix="The end.")), 400, param="suffix",
-           code="unsupported_parameter")
-    _error(api.post(CHATS, json=_body(CHATS, lenient_extra=1, presence_penalty=9)), 400,
-           param="presence_penalty")
+    openai_error(api.post(COMPLETIONS, json=_body(COMPLETIONS, suffix="The end.")), 400, param="suffix",
+                 code="unsupported_parameter")
+    openai_error(api.post(CHATS, json=_body(CHATS, lenient_extra=1, presence_penalty=9)), 400,
+                 param="presence_penalty")
 
 
 def test_parse_takes_lenient_as_an_argument():
@@ -123,17 +123,17 @@ def test_parse_takes_lenient_as_an_argument():
 ])
 def test_an_unsupported_field_is_a_400_naming_it(served, fake_redis, path, name, value):
     api, _ = served
-    error = _error(api.post(path, json=_body(path, **{name: value})), 400, param=name,
-                   code="unsupported_parameter")
+    error = openai_error(api.post(path, json=_body(path, **{name: value})), 400, param=name,
+                         code="unsupported_parameter")
     assert "not supported" in error["message"]
     _nothing_queued(fake_redis)
 
 
 def test_the_deprecated_functions_say_to_use_tools(served):
     api, _ = served
-    error = _error(api.post(CHATS, json=_body(CHATS, functions=[{"name": "f"}])), 400, param="functions")
+    error = openai_error(api.post(CHATS, json=_body(CHATS, functions=[{"name": "f"}])), 400, param="functions")
     assert "'tools'" in error["message"]
-    error = _error(api.post(CHATS, json=_body(CHATS, function_call={"name": "f"})), 400, param="function_call")
+    error = openai_error(api.post(CHATS, json=_body(CHATS, function_call={"name": "f"})), 400, param="function_call")
     assert "'tool_choice'" in error["message"]
 
 
@@ -200,7 +200,7 @@ def test_the_deprecated_functions_say_to_use_tools(served):
 ])
 def test_a_wrong_value_is_a_400_naming_its_field(served, fake_redis, path, fields, param):
     api, _ = served
-    _error(api.post(path, json=_body(path, **fields)), 400, param=param)
+    openai_error(api.post(path, json=_body(path, **fields)), 400, param=param)
     _nothing_queued(fake_redis)
 
 
@@ -226,7 +226,7 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "open_gate", "a
 ])
 def test_a_wrong_message_is_a_400_naming_where(served, messages, param):
     api, _ = served
-    _error(api.post(CHATS, json={"model": MODEL, "messages": messages}), 400, param=param)
+    openai_error(api.post(CHATS, json={"model": MODEL, "messages": messages}), 400, param=param)
 
 
 # Accepted: no-op values, metadata, and what the fields turn into
@@ -247,14 +247,14 @@ NO_OPS = {
 
 @pytest.mark.parametrize("path", [COMPLETIONS, CHATS])
 def test_no_op_values_and_metadata_are_accepted_and_change_nothing(fake_redis, path):
-    queue = _register_worker(fake_redis)  # the static engine: no features, none needed
+    queue = register_worker(fake_redis)  # the static engine: no features, none needed
     api = create_app(Settings(request_timeout=5), client=fake_redis).test_client()
     sent = []
     for fields in ({}, NO_OPS[path]):
-        _answer_in_background(fake_redis, queue)
+        answer_in_background(fake_redis, queue)
         response = api.post(path, json=_body(path, seed=5, max_tokens=2, **fields))
         assert response.status_code == 200, response.get_data(as_text=True)
-        sent.append(params_json(_seen_jobs[0].params))
+        sent.append(params_json(seen_jobs[0].params))
     assert sent[0] == sent[1] == {"max_tokens": 2, "seed": 5}
 
 
@@ -357,23 +357,23 @@ def _worker(worker_id: str, features) -> WorkerInfo:
 
 
 def test_a_static_worker_s_model_refuses_a_feature_at_the_route(fake_redis):
-    _register_worker(fake_redis)  # announces no features, as the static engine
+    register_worker(fake_redis)  # announces no features, as the static engine
     api = create_app(Settings(request_timeout=5), client=fake_redis).test_client()
-    error = _error(api.post(COMPLETIONS, json=_body(COMPLETIONS, logprobs=2)), 400, param="logprobs",
-                   code="unsupported_parameter")
+    error = openai_error(api.post(COMPLETIONS, json=_body(COMPLETIONS, logprobs=2)), 400, param="logprobs",
+                         code="unsupported_parameter")
     assert f"serving {MODEL}" in error["message"] and "1 of its 1 live workers (static)" in error["message"]
-    _error(api.post(CHATS, json=_body(CHATS, frequency_penalty=1)), 400, param="frequency_penalty",
-           code="unsupported_parameter")
+    openai_error(api.post(CHATS, json=_body(CHATS, frequency_penalty=1)), 400, param="frequency_penalty",
+                 code="unsupported_parameter")
     _nothing_queued(fake_redis)
 
 
 def test_a_feature_its_workers_announce_reaches_the_job(served, fake_redis):
     api, queue = served
-    _answer_in_background(fake_redis, queue)
+    answer_in_background(fake_redis, queue)
     response = api.post(COMPLETIONS, json=_body(COMPLETIONS, presence_penalty=0.5, stop_token_ids=[2],
-                                                   logit_bias={"5": -100}, max_tokens=2))
+                                                logit_bias={"5": -100}, max_tokens=2))
     assert response.status_code == 200, response.get_data(as_text=True)
-    params = _seen_jobs[0].params
+    params = seen_jobs[0].params
     assert (params.presence_penalty, params.stop_token_ids, params.logit_bias) == (0.5, [2], {"5": -100.0})
 
 
@@ -401,11 +401,11 @@ def test_a_batch_line_with_an_unknown_field_is_refused_unless_lenient():
 def test_a_batch_upload_follows_the_lenient_setting(fake_redis, lenient):
     api = create_app(Settings(lenient=lenient), client=fake_redis).test_client()
     response = api.post("/v1/files", data={"purpose": "batch",
-                                                   "file": (io.BytesIO(_batch_line(_body(CHATS, x=1))), "lore.jsonl")})
+                                           "file": (io.BytesIO(_batch_line(_body(CHATS, x=1))), "lore.jsonl")})
     if lenient:
         assert response.status_code == 200, response.get_data(as_text=True)
     else:
-        assert "Unrecognized request argument supplied: x" in _error(response, 400, param="file")["message"]
+        assert "Unrecognized request argument supplied: x" in openai_error(response, 400, param="file")["message"]
 
 
 # The description lists exactly the fields the routes know

@@ -15,13 +15,11 @@ import torch
 from prometheus_client import REGISTRY
 
 from api.app import _unsent
-from shared import keys
-from shared import metrics as names
+from shared import keys, metrics as names
 from shared.protocol import Final, Job, SamplingParams, TextDelta, WorkerInfo, decode_result
 from shared.settings import Settings
 from tests.engines import make_engine
-from tests.test_job_queue import MODEL, _die, _push, client  # noqa: F401 (a fixture)
-from tests.test_leases import _heard, _listen
+from tests.queue_jobs import MODEL, die_holding, messages_heard, push_job, push_jobs, subscribe_to
 from tests.tiny_models import tiny_tokenizer
 from worker import job_queue
 from worker.job_queue import JobQueue
@@ -35,8 +33,8 @@ EOS = frozenset({TOKENIZER.eos_token_id})
 WORDS = TOKENIZER(" brave knight walked to the café gate").input_ids
 
 
-def _record(client, job_id: str):
-    return client.get(keys.written(MODEL, job_id))
+def _record(any_redis, job_id: str):
+    return any_redis.get(keys.written(MODEL, job_id))
 
 
 def _as_record(tokens: list[int]) -> bytes:
@@ -49,129 +47,125 @@ def _taken(queue: JobQueue, count: int) -> list[Sequence]:
     return [Sequence(job, TOKENIZER, EOS, queue.written.pop(job.id, None)) for job in jobs]
 
 
-def _push_job(client, job: Job) -> None:
-    client.rpush(keys.queue(MODEL), job.to_json())
-
-
-def _counting(client) -> list:
+def _counting(any_redis) -> list:
     """The commands `client` sends from now on (their names); the publish script is loaded first."""
-    client.script_load(job_queue._PUBLISH)
-    calls, execute = [], client.execute_command
+    any_redis.script_load(job_queue._PUBLISH)
+    calls, execute = [], any_redis.execute_command
 
     def counted(*args, **kwargs):
         calls.append(args[0])
         return execute(*args, **kwargs)
-    client.execute_command = counted
+    any_redis.execute_command = counted
     return calls
 
 
 # The record, as the job queue keeps it
 
-def test_a_streams_tokens_are_recorded_with_its_text_also_while_the_text_is_held_back(client):
-    queue = JobQueue(client, "w1", MODEL)
+def test_a_streams_tokens_are_recorded_with_its_text_also_while_the_text_is_held_back(any_redis):
+    queue = JobQueue(any_redis, "w1", MODEL)
     first = TOKENIZER.decode(WORDS[:1])
     # A stop string that starts with the first token's text: that text is held back, not sent.
-    _push_job(client, Job(id="job-0", model=MODEL, prompt_ids=[5, 6, 7], timeout_s=60, stream=True,
-                          params=SamplingParams(max_tokens=10, stop=[first + "zzz"])))
+    push_job(any_redis, Job(id="job-0", model=MODEL, prompt_ids=[5, 6, 7], timeout_s=60, stream=True,
+                            params=SamplingParams(max_tokens=10, stop=[first + "zzz"])))
     [seq] = _taken(queue, 1)
-    pubsub = _listen(client, "job-0")
-    calls = _counting(client)
+    pubsub = subscribe_to(any_redis, "job-0")
+    calls = _counting(any_redis)
     seq.append(WORDS[0])
     queue.publish([seq])
-    assert calls == ["EVALSHA"] and _heard(pubsub) == []  # nothing sent, one call all the same
-    assert _record(client, "job-0") == _as_record(WORDS[:1])
+    assert calls == ["EVALSHA"] and messages_heard(pubsub) == []  # nothing sent, one call all the same
+    assert _record(any_redis, "job-0") == _as_record(WORDS[:1])
     calls.clear()
     seq.append(WORDS[1])
     queue.publish([seq])
     assert calls == ["EVALSHA"]
-    assert [m.text for _, m in _heard(pubsub)] == [TOKENIZER.decode(WORDS[:2])]
-    assert _record(client, "job-0") == _as_record(WORDS[:2])
-    assert 0 < client.ttl(keys.written(MODEL, "job-0")) <= job_queue.LEASE_TTL_S
+    assert [m.text for _, m in messages_heard(pubsub)] == [TOKENIZER.decode(WORDS[:2])]
+    assert _record(any_redis, "job-0") == _as_record(WORDS[:2])
+    assert 0 < any_redis.ttl(keys.written(MODEL, "job-0")) <= job_queue.LEASE_TTL_S
 
 
-def test_whole_jobs_are_recorded_once_an_interval_all_in_one_call(client, monkeypatch):
+def test_whole_jobs_are_recorded_once_an_interval_all_in_one_call(any_redis, monkeypatch):
     monkeypatch.setattr(job_queue, "RECORD_INTERVAL_S", 0.3)
-    queue = JobQueue(client, "w1", MODEL)
-    _push(client, 0, 1, 2)  # not streamed (max_tokens 2)
+    queue = JobQueue(any_redis, "w1", MODEL)
+    push_jobs(any_redis, 0, 1, 2)  # not streamed (max_tokens 2)
     seqs = _taken(queue, 3)
     for seq in seqs:
         seq.append(WORDS[0])
-    calls = _counting(client)
+    calls = _counting(any_redis)
     assert queue.publish(seqs) == ([], [])
     assert calls == []  # not due: no call at all
-    assert not any(_record(client, s.id) for s in seqs)
+    assert not any(_record(any_redis, s.id) for s in seqs)
     time.sleep(0.35)
     calls.clear()
     assert queue.publish(seqs) == ([], [])
     assert calls == ["EVALSHA"]
-    assert [_record(client, s.id) for s in seqs] == [_as_record(WORDS[:1])] * 3
-    _push(client, 3, stream=True)
+    assert [_record(any_redis, s.id) for s in seqs] == [_as_record(WORDS[:1])] * 3
+    push_jobs(any_redis, 3, stream=True)
     [stream] = _taken(queue, 1)
     stream.append(WORDS[2])
     queue.publish([stream])  # a stream's record goes at once; the whole jobs wait for their time
-    assert _record(client, "job-3") == _as_record(WORDS[2:3])
+    assert _record(any_redis, "job-3") == _as_record(WORDS[2:3])
 
 
-def test_the_answer_deletes_the_record_and_so_does_a_failure(client):
-    queue = JobQueue(client, "w1", MODEL)
-    _push(client, 0, 1, stream=True)
+def test_the_answer_deletes_the_record_and_so_does_a_failure(any_redis):
+    queue = JobQueue(any_redis, "w1", MODEL)
+    push_jobs(any_redis, 0, 1, stream=True)
     answered, failed = _taken(queue, 2)
     answered.append(WORDS[0]), failed.append(WORDS[0])
     queue.publish([answered, failed])
-    assert _record(client, "job-0") and _record(client, "job-1")
+    assert _record(any_redis, "job-0") and _record(any_redis, "job-1")
     answered.append(WORDS[1])  # max_tokens 2: done
     assert queue.publish([answered]).finished == [answered]
     queue.fail(["job-1"], "the worker failed")
-    assert not client.exists(keys.written(MODEL, "job-0"), keys.written(MODEL, "job-1"))
+    assert not any_redis.exists(keys.written(MODEL, "job-0"), keys.written(MODEL, "job-1"))
 
 
-def test_a_requeue_keeps_the_record_and_the_next_take_returns_it(client):
-    dead = JobQueue(client, "dead", MODEL)
-    _push(client, 0, 1, stream=True)
+def test_a_requeue_keeps_the_record_and_the_next_take_returns_it(any_redis):
+    dead = JobQueue(any_redis, "dead", MODEL)
+    push_jobs(any_redis, 0, 1, stream=True)
     seqs = _taken(dead, 2)
     seqs[0].append(WORDS[0])
     dead.publish(seqs)
-    _die(dead, client)
-    alive = JobQueue(client, "alive", MODEL)
+    die_holding(dead, any_redis)
+    alive = JobQueue(any_redis, "alive", MODEL)
     assert alive.requeue_dead_workers() == 2
     assert [j.id for j in alive.take(limit=2, wait_s=0, block_s=1)] == ["job-0", "job-1"]
     assert alive.written == {"job-0": WORDS[:1]}  # job-1 had written nothing
 
 
-def test_a_job_failed_after_its_retries_loses_its_record(client):
-    queue = JobQueue(client, "w1", MODEL, max_attempts=0)
-    _push(client, 0, stream=True)
+def test_a_job_failed_after_its_retries_loses_its_record(any_redis):
+    queue = JobQueue(any_redis, "w1", MODEL, max_attempts=0)
+    push_jobs(any_redis, 0, stream=True)
     [seq] = _taken(queue, 1)
     seq.append(WORDS[0])
     queue.publish([seq])
-    _die(queue, client)
-    JobQueue(client, "w2", MODEL, max_attempts=0).requeue_dead_workers()
-    assert client.exists(keys.answer(MODEL, "job-0")) and not client.exists(keys.written(MODEL, "job-0"))
+    die_holding(queue, any_redis)
+    JobQueue(any_redis, "w2", MODEL, max_attempts=0).requeue_dead_workers()
+    assert any_redis.exists(keys.answer(MODEL, "job-0")) and not any_redis.exists(keys.written(MODEL, "job-0"))
 
 
-def test_a_stranded_job_is_adopted_with_its_record(client):
-    _push(client, 0, stream=True)
-    client.set(keys.written(MODEL, "job-0"), _as_record(WORDS[:3]))
-    JobQueue(client, "w1", MODEL).take(limit=1, wait_s=0, block_s=0)  # a take whose reply was lost
-    queue = JobQueue(client, "w1", MODEL)
+def test_a_stranded_job_is_adopted_with_its_record(any_redis):
+    push_jobs(any_redis, 0, stream=True)
+    any_redis.set(keys.written(MODEL, "job-0"), _as_record(WORDS[:3]))
+    JobQueue(any_redis, "w1", MODEL).take(limit=1, wait_s=0, block_s=0)  # a take whose reply was lost
+    queue = JobQueue(any_redis, "w1", MODEL)
     assert [j.id for j in queue.adopt_stranded(set(), room=1)] == ["job-0"]
     assert queue.written == {"job-0": WORDS[:3]}
 
 
-def test_a_job_whose_lease_is_lost_records_nothing(client):
-    first = JobQueue(client, "first", MODEL)
-    _push(client, 0, stream=True)
+def test_a_job_whose_lease_is_lost_records_nothing(any_redis):
+    first = JobQueue(any_redis, "first", MODEL)
+    push_jobs(any_redis, 0, stream=True)
     [seq] = _taken(first, 1)
-    client.set(keys.lease(MODEL, "job-0"), "second")  # another worker holds it now
+    any_redis.set(keys.lease(MODEL, "job-0"), "second")  # another worker holds it now
     seq.append(WORDS[0])
     assert first.publish([seq]).lost == [seq]
-    assert not client.exists(keys.written(MODEL, "job-0"))
+    assert not any_redis.exists(keys.written(MODEL, "job-0"))
 
 
-def test_a_record_sent_again_after_its_reply_was_lost_is_written_once(client):
-    queue = JobQueue(client, "w1", MODEL)
-    _push_job(client, Job(id="job-0", model=MODEL, prompt_ids=[5], params=SamplingParams(max_tokens=9),
-                          timeout_s=60, stream=True))
+def test_a_record_sent_again_after_its_reply_was_lost_is_written_once(any_redis):
+    queue = JobQueue(any_redis, "w1", MODEL)
+    push_job(any_redis, Job(id="job-0", model=MODEL, prompt_ids=[5], params=SamplingParams(max_tokens=9),
+                            timeout_s=60, stream=True))
     [seq] = _taken(queue, 1)
     script = queue._publish_script
 
@@ -186,19 +180,19 @@ def test_a_record_sent_again_after_its_reply_was_lost_is_written_once(client):
             queue.publish([seq])
         except redis.ConnectionError:
             assert step in lost
-    assert _record(client, "job-0") == _as_record(WORDS[:5])
+    assert _record(any_redis, "job-0") == _as_record(WORDS[:5])
 
 
-def test_a_malformed_record_is_ignored_and_replaced(client, caplog):
-    _push(client, 0, stream=True)
-    client.set(keys.written(MODEL, "job-0"), b"12,x,")
-    queue = JobQueue(client, "w1", MODEL)
+def test_a_malformed_record_is_ignored_and_replaced(any_redis, caplog):
+    push_jobs(any_redis, 0, stream=True)
+    any_redis.set(keys.written(MODEL, "job-0"), b"12,x,")
+    queue = JobQueue(any_redis, "w1", MODEL)
     with caplog.at_level(logging.WARNING):
         [seq] = _taken(queue, 1)
     assert "malformed record" in caplog.text and seq.output_ids == []
     seq.append(WORDS[0])
     queue.publish([seq])
-    assert _record(client, "job-0") == _as_record(WORDS[:1])
+    assert _record(any_redis, "job-0") == _as_record(WORDS[:1])
 
 
 # The sequence rebuilt from a record
@@ -277,13 +271,13 @@ def test_a_requeued_job_resumes_and_writes_what_it_would_have(fake_redis, monkey
     _run(alone, undisturbed)
     assert len(undisturbed.output_ids) == MAX_TOKENS
 
-    _push_job(fake_redis, job)
-    pubsub = _listen(fake_redis, job.id)
+    push_job(fake_redis, job)
+    pubsub = subscribe_to(fake_redis, job.id)
     first = JobQueue(fake_redis, "first", MODEL)
     [taken] = first.take(limit=1, wait_s=0, block_s=1)
     engine = _engine(kind, tiny_llama)
     _run(engine, engine.add(taken), first, until=K)
-    _die(first, fake_redis)
+    die_holding(first, fake_redis)
     second = JobQueue(fake_redis, "second", MODEL)
     assert second.requeue_dead_workers() == 1
     [again] = second.take(limit=1, wait_s=0, block_s=1)
@@ -299,14 +293,13 @@ def test_a_requeued_job_resumes_and_writes_what_it_would_have(fake_redis, monkey
     assert fresh.generated == MAX_TOKENS - K, "the written tokens were computed as prompt, not decoded"
     # What a client hears, through the API's own rule: the text once, in order, nothing diverged.
     heard, final = "", None
-    for _, message in _heard(pubsub):
+    for _, message in messages_heard(pubsub):
         new = _unsent(heard, message.offset if isinstance(message, TextDelta) else 0, message.text)
         assert new is not None, "retry_diverged"
         heard += new
         final = message if isinstance(message, Final) else final
     assert heard == final.text == undisturbed.text
     assert not fake_redis.exists(keys.written(MODEL, job.id))
-
 
 
 @pytest.mark.parametrize("written, why", [([5] * (MAX_TOKENS + 1), "over its max_tokens"),
@@ -324,9 +317,9 @@ def test_a_record_the_model_cannot_continue_is_ignored(tiny_llama, caplog, writt
 def test_a_record_that_completes_its_job_is_answered_without_a_step(fake_redis, tiny_llama):
     job = Job(id="job-0", model=MODEL, prompt_ids=[21, 45], timeout_s=60, stream=True,
               params=SamplingParams(max_tokens=4, temperature=0))
-    _push_job(fake_redis, job)
+    push_job(fake_redis, job)
     fake_redis.set(keys.written(MODEL, job.id), _as_record(WORDS[:4]))
-    pubsub = _listen(fake_redis, job.id)
+    pubsub = subscribe_to(fake_redis, job.id)
     engine = make_engine(tiny_llama)
     info = WorkerInfo(id="w1", model=MODEL, context_window=128, engine="continuous", batch=4, device="cpu",
                       dtype="float32", tokenizer_digest="x", pid=1, host="h", started=0.0)
@@ -338,7 +331,7 @@ def test_a_record_that_completes_its_job_is_answered_without_a_step(fake_redis, 
     final = decode_result(fake_redis.get(keys.answer(MODEL, job.id)))
     assert final == Final(text=TOKENIZER.decode(WORDS[:4]), finish_reason="length", prompt_tokens=2,
                           completion_tokens=4)
-    assert [m.type for _, m in _heard(pubsub)] == ["text", "final"]
+    assert [m.type for _, m in messages_heard(pubsub)] == ["text", "final"]
     assert not fake_redis.exists(keys.written(MODEL, job.id), keys.processing(MODEL, "w1"))
     assert REGISTRY.get_sample_value(names.RESUMED_TOKENS, {"model": MODEL}) == resumed + 4
 

@@ -63,7 +63,6 @@ def test_a_stopping_worker_whose_redis_is_gone_leaves_after_a_while(monkeypatch)
     assert 0.5 <= time.monotonic() - started < 5
 
 
-
 # Queued jobs when workers stop: the last ones take them (worker.Worker._admit).
 
 MODEL = "m"
@@ -79,15 +78,15 @@ def _info(worker_id: str, draining: bool = False) -> WorkerInfo:
                       dtype="float32", tokenizer_digest="x", pid=1, host="h", started=0.0, draining=draining)
 
 
-def _queue_jobs(client, count: int) -> list[str]:
+def _queue_jobs(any_redis, count: int) -> list[str]:
     jobs = [Job(id=f"job-{i}", model=MODEL, prompt_ids=[5, 6, 7], params=SamplingParams(max_tokens=3),
                 timeout_s=60) for i in range(count)]
-    client.rpush(keys.queue(MODEL), *[j.to_json() for j in jobs])
+    any_redis.rpush(keys.queue(MODEL), *[j.to_json() for j in jobs])
     return [j.id for j in jobs]
 
 
-def _stopped_worker(client, worker_id: str) -> Worker:
-    worker = Worker(JobQueue(client, worker_id, MODEL), one_at_a_time(), _info(worker_id),
+def _stopped_worker(any_redis, worker_id: str) -> Worker:
+    worker = Worker(JobQueue(any_redis, worker_id, MODEL), one_at_a_time(), _info(worker_id),
                     Settings(heartbeat_s=0.05, wait_ms=0))
     worker.stop()  # as SIGTERM does, before it looked at the queue
     return worker
@@ -102,47 +101,42 @@ def _run_all(workers: list[Worker]) -> None:
         assert not thread.is_alive(), "a stopping worker never left"
 
 
-def _answered(client, ids: list[str]) -> list[str]:
-    return [i for i in ids if client.exists(keys.answer(MODEL, i))]
-
-
-@pytest.fixture(params=["fakeredis", "redis-server"])
-def client(request):
-    return request.getfixturevalue("fake_redis" if request.param == "fakeredis" else "real_redis")
+def _answered(any_redis, ids: list[str]) -> list[str]:
+    return [i for i in ids if any_redis.exists(keys.answer(MODEL, i))]
 
 
 @pytest.mark.parametrize("peer", ["none", "draining", "dead"])
-def test_the_last_worker_to_stop_answers_the_queue_deeper_than_its_batch(client, peer):
+def test_the_last_worker_to_stop_answers_the_queue_deeper_than_its_batch(any_redis, peer):
     """No other worker takes jobs (none, one draining too, one whose heartbeat expired): the
     stopping worker, with room for one job at a time, answers all three queued before it leaves."""
     if peer != "none":
-        JobQueue(client, "peer", MODEL).heartbeat(_info("peer", draining=peer == "draining"),
-                                                  ttl_s=30 if peer == "draining" else 0.01)
+        JobQueue(any_redis, "peer", MODEL).heartbeat(_info("peer", draining=peer == "draining"),
+                                                     ttl_s=30 if peer == "draining" else 0.01)
         time.sleep(0.05)
-    ids = _queue_jobs(client, 3)
-    _run_all([_stopped_worker(client, "w")])
-    assert _answered(client, ids) == ids
-    assert client.llen(keys.queue(MODEL)) == 0
-    assert client.llen(keys.processing(MODEL, "w")) == 0
+    ids = _queue_jobs(any_redis, 3)
+    _run_all([_stopped_worker(any_redis, "w")])
+    assert _answered(any_redis, ids) == ids
+    assert any_redis.llen(keys.queue(MODEL)) == 0
+    assert any_redis.llen(keys.processing(MODEL, "w")) == 0
 
 
-def test_a_stopping_worker_leaves_the_queue_to_a_live_one(client):
+def test_a_stopping_worker_leaves_the_queue_to_a_live_one(any_redis):
     """A rolling restart: another worker of the model takes jobs, so the stopping one takes none."""
-    JobQueue(client, "peer", MODEL).heartbeat(_info("peer"), ttl_s=30)
-    ids = _queue_jobs(client, 3)
+    JobQueue(any_redis, "peer", MODEL).heartbeat(_info("peer"), ttl_s=30)
+    ids = _queue_jobs(any_redis, 3)
     started = time.monotonic()
-    _run_all([_stopped_worker(client, "w")])
+    _run_all([_stopped_worker(any_redis, "w")])
     assert time.monotonic() - started < 5
-    assert _answered(client, ids) == []
-    assert client.llen(keys.queue(MODEL)) == 3
-    assert JobQueue(client, "peer", MODEL).others_taking() is False  # "w" left: nobody but the peer
+    assert _answered(any_redis, ids) == []
+    assert any_redis.llen(keys.queue(MODEL)) == 3
+    assert JobQueue(any_redis, "peer", MODEL).others_taking() is False  # "w" left: nobody but the peer
 
 
-def test_workers_stopping_together_leave_no_job_unanswered(client):
+def test_workers_stopping_together_leave_no_job_unanswered(any_redis):
     """Every worker stopped at once, each seeing the others taking jobs when it was told: the one
     that looks last sees the others draining, so the queue is emptied all the same."""
-    ids = _queue_jobs(client, 6)
-    workers = [Worker(JobQueue(client, f"w{i}", MODEL), one_at_a_time(), _info(f"w{i}"),
+    ids = _queue_jobs(any_redis, 6)
+    workers = [Worker(JobQueue(any_redis, f"w{i}", MODEL), one_at_a_time(), _info(f"w{i}"),
                       Settings(heartbeat_s=0.05, wait_ms=0)) for i in range(3)]
     for worker in workers:  # each announced, taking jobs
         worker.queue.heartbeat(worker.info, ttl_s=30)
@@ -150,5 +144,5 @@ def test_workers_stopping_together_leave_no_job_unanswered(client):
     for worker in workers:
         worker.stop()
     _run_all(workers)
-    assert _answered(client, ids) == ids
-    assert client.llen(keys.queue(MODEL)) == 0
+    assert _answered(any_redis, ids) == ids
+    assert any_redis.llen(keys.queue(MODEL)) == 0

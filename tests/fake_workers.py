@@ -1,0 +1,76 @@
+"""Workers that are only their Redis keys, for the API's tests on fakeredis.
+
+An API test needs a worker to exist (its heartbeat names the model, its context window and the
+tokenizer the API counts with) and sometimes one to answer (take the job, store and publish its
+final answer), but not a model. These stand in for both, so that a test of admission, limits,
+errors or metrics runs in milliseconds; `tests/processes.py` starts real workers where the test
+is about them.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+from shared import keys
+from shared.protocol import Final, Job, WorkerInfo, encode_result
+from tests.tiny_models import tiny_tokenizer
+from worker import model_loader
+from worker.job_queue import JobQueue
+
+MODEL = "tiny"
+CONTEXT = 64
+
+
+def register_worker(client, model=MODEL, worker_id="w1", draining=False) -> JobQueue:
+    files = model_loader.tokenizer_files(tiny_tokenizer())
+    queue = JobQueue(client, worker_id, model)
+    queue.store_tokenizer(files)
+    info = WorkerInfo(id=worker_id, model=model, context_window=CONTEXT, engine="static", batch=4,
+                      device="cpu", dtype="float32", tokenizer_digest=model_loader.digest(files),
+                      pid=1, host="test", started=time.time(), draining=draining)
+    queue.heartbeat(info, ttl_s=60)
+    return queue
+
+
+def openai_error(response, status: int, param=None, code=None) -> dict:
+    assert response.status_code == status, response.get_data(as_text=True)
+    error = response.get_json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param
+    if code is not None:
+        assert error["code"] == code
+    return error
+
+
+def completion_body(**fields) -> dict:
+    return {"model": MODEL, "prompt": "Once upon a time", **fields}
+
+
+seen_jobs: list[Job] = []
+
+
+def next_job(client, model: str, tries: int = 200) -> Job:
+    """The next job queued for `model`, as a stand-in worker takes it (polling: fakeredis)."""
+    for _ in range(tries):
+        raw = client.lpop(keys.queue(model))
+        if raw:
+            return Job.from_json(raw)
+        time.sleep(0.01)
+    raise AssertionError(f"no job for {model} was queued")
+
+
+def answer_in_background(client, queue: JobQueue, publish: bool = True) -> None:
+    """A stand-in worker: takes one job and answers it (optionally only by the stored copy)."""
+    seen_jobs.clear()
+
+    def answer():
+        job = next_job(client, MODEL)
+        seen_jobs.append(job)
+        final = encode_result(Final(text=" and then", finish_reason="length",
+                                    prompt_tokens=len(job.prompt_ids), completion_tokens=2))
+        client.set(keys.answer(job.model, job.id), final)
+        if publish:
+            client.publish(keys.channel(job.model, job.id), final)
+
+    threading.Thread(target=answer, daemon=True).start()
