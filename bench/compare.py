@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 from bench.stack import stack
-from bench.load import format_row, plot, run_crowd, write_results
+from bench.load import run_crowd
+from bench.report import format_row, plot_crowds, write_runs
 
 
 def main(argv=None) -> int:
@@ -56,8 +57,8 @@ def main(argv=None) -> int:
         print(f"{players:>9}" + "".join(f"{x:>13.1f}x" for x in ratios))
     errors = sum(row["errors"] for run in runs for row in run["rows"])
     print(f"errors: {errors}")
-    write_results(runs, args.out + ".json")
-    plot(runs, args.out + ".png")
+    write_runs(runs, args.out + ".json")
+    plot_crowds(runs, args.out + ".png")
     print(f"wrote {args.out}.json and {args.out}.png")
     return 1 if errors else 0
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import platform
 import sys
 from dataclasses import dataclass, fields, replace
@@ -26,11 +25,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.engines_plot import plot_scenario
 from bench.load import run_crowd
+from bench.report import format_table, plot_scenario, write_json
 from bench.scenarios import SCENARIOS, SMOKE, Sizes, combine_repeats
 from bench.stack import StackError, stack
-from bench.stats import ratio
 
 # Named worker configurations. Anything not set is the worker's own default.
 CONFIGS = {
@@ -103,48 +101,6 @@ def plan(configs: list[tuple[str, dict]], scenarios: list[str],
 
 def columns_for(steps: list[Step], scenario: str) -> list[str]:
     return [s.label for s in steps if scenario in s.scenarios]
-
-
-def show(value, fmt: str) -> str:
-    """A table cell: '-' for nothing; a median of whole numbers may be x.5, so a "d" format
-    falls back to a general one."""
-    if value is None:
-        return "-"
-    try:
-        return format(value, fmt)
-    except (ValueError, TypeError):
-        return format(value, "g")
-
-
-def format_table(name: str, description: str, metrics, results: dict[str, list[dict]],
-                 columns: list[str]) -> str:
-    """A scenario's table: a line per (case, metric), a column per configuration, then each
-    configuration's value as a multiple of the first configuration's."""
-    present = [c for c in columns if results.get(c)]
-    if not present:
-        return f"== {name}: no results"
-    base = present[0]
-    notes = {"higher": " (higher better)", "lower": " (lower better)"}
-    cases = [row["case"] for row in results[base]]
-    lines = []
-    for index, case in enumerate(cases):
-        for metric in metrics:
-            values = {c: (results[c][index] if index < len(results[c]) else {}).get(metric.key)
-                      for c in present}
-            if all(v is None for v in values.values()):
-                continue  # a metric this case does not have
-            cells = [case, metric.label + notes.get(metric.better, "")]
-            cells += [show(v, metric.fmt) for v in values.values()]
-            cells += ["-" if (r := ratio(values[c], values[base])) is None else f"{r:.2f}x"
-                      for c in present[1:]]
-            lines.append(cells)
-    header = ["case", "metric"] + present + [f"{c} / {base}" for c in present[1:]]
-    widths = [max(len(str(row[i])) for row in [header] + lines) for i in range(len(header))]
-
-    def line(cells):  # the case and the metric to the left, numbers to the right
-        return "  ".join(f"{c:<{w}}" if i < 2 else f"{c:>{w}}"
-                         for i, (c, w) in enumerate(zip(cells, widths)))
-    return "\n".join([f"== {name}: {description}", line(header)] + [line(c) for c in lines])
 
 
 def sizes_from_args(args) -> Sizes:
@@ -237,8 +193,7 @@ def main(argv=None) -> int:
                             for name in args.scenarios}}
 
     def save() -> None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        Path(f"{out}.json").write_text(json.dumps(report, indent=2) + "\n")
+        write_json(f"{out}.json", report)
 
     total = sum(len(s.scenarios) for s in steps) * args.repeats
     progress = tqdm(total=total, desc="scenarios", unit="run", file=sys.stderr)

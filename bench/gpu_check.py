@@ -12,7 +12,6 @@ script for a lent GPU machine (it runs on the CPU too, with --device cpu, to che
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import statistics
@@ -23,6 +22,7 @@ import torch
 
 from bench.prompts import make_prompt
 from bench.profile_step import filled_engine
+from bench.report import write_json
 from shared.protocol import Job, SamplingParams
 from shared.settings import Settings
 from worker.continuous import engine as continuous
@@ -111,8 +111,7 @@ def main(argv=None) -> None:
     print("decode steps in process (default dtype):")
     result["speed"] = speed(args.device, args.batches, args.steps)
     out = Path(args.out).with_suffix(".json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    write_json(out, result, indent=1)
     print(f"wrote {out}")
 
 

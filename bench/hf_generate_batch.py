@@ -12,7 +12,6 @@ default (the worker benchmark samples at temperature 0.8; decoding cost is the s
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import platform
 import random
@@ -22,6 +21,7 @@ import time
 from pathlib import Path
 
 from bench.prompts import RequestShape
+from bench.report import write_json
 from bench.stats import p95, rounded
 
 CB_LOGGER = "ContinuousBatchingLogger"  # transformers' logger for continuous batching
@@ -167,8 +167,7 @@ def main(argv=None) -> int:
               "prompt_tokens": args.prompt_tokens, "seed": args.seed,
               "continuous_batching_config": cb_settings, "log": collect.lines, **row}
     path = Path(args.out + ".json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(path, result)
     print(f"wrote {path}")
     return 1 if row["errors"] else 0
 

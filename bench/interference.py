@@ -14,7 +14,6 @@ does not. A static-batching engine does not stall the streams at all, but makes 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import threading
@@ -24,6 +23,7 @@ from typing import Optional
 
 from bench.client import REQUEST_ERRORS, Outcome, describe_error, get_first_model, stream_complete
 from bench.prompts import make_prompt, sized_prompt
+from bench.report import cell, write_json
 from bench.stats import gap_summary, overlaps, ratio, rounded, timed_gaps
 
 PERIODS = ("before", "while", "after")
@@ -155,20 +155,18 @@ def run_interference(url: str, model: str, players: int = 16, tokens: int = 100,
 
 
 def format_result(result: dict) -> str:
-    def num(value, fmt):
-        return "-" if value is None else format(value, fmt)
     lines = [f"{'period':>8}  {'seconds':>8}  {'gaps':>6}  {'median ms':>10}  {'p95 ms':>8}  "
              f"{'max ms':>8}  {'max/med':>8}"]
     for name in PERIODS:
         p = result["periods"][name]
-        lines.append(f"{name:>8}  {num(p['seconds'], '.2f'):>8}  {p['gap_count']:>6}  "
-                     f"{num(p['gap_median_ms'], '.1f'):>10}  {num(p['gap_p95_ms'], '.1f'):>8}  "
-                     f"{num(p['gap_max_ms'], '.1f'):>8}  {num(p['max_over_median'], '.1f'):>8}")
-    lines.append(f"long prompt: {num(result['long_prompt_tokens_reported'], 'd')} tokens, "
-                 f"TTFT {num(result['long_ttft_s'], '.2f')} s; worst stall while prefilling = "
-                 f"{num(result['stall_ratio'], '.1f')}x the median gap before; players' requests "
+        lines.append(f"{name:>8}  {cell(p['seconds'], '.2f'):>8}  {p['gap_count']:>6}  "
+                     f"{cell(p['gap_median_ms'], '.1f'):>10}  {cell(p['gap_p95_ms'], '.1f'):>8}  "
+                     f"{cell(p['gap_max_ms'], '.1f'):>8}  {cell(p['max_over_median'], '.1f'):>8}")
+    lines.append(f"long prompt: {cell(result['long_prompt_tokens_reported'], 'd')} tokens, "
+                 f"TTFT {cell(result['long_ttft_s'], '.2f')} s; worst stall while prefilling = "
+                 f"{cell(result['stall_ratio'], '.1f')}x the median gap before; players' requests "
                  f"sent meanwhile: {result['player_ttft_while_count']}, max TTFT "
-                 f"{num(result['player_ttft_while_max_s'], '.2f')} s; errors {result['errors']}")
+                 f"{cell(result['player_ttft_while_max_s'], '.2f')} s; errors {result['errors']}")
     lines += [f"    error: {e}" for e in result["error_samples"]]
     if result["long_error"]:
         lines.append(f"    long request error: {result['long_error']}")
@@ -199,8 +197,7 @@ def main(argv=None) -> int:
                               timeout=args.timeout, seed=args.seed)
     print(format_result(result))
     path = Path(args.out + ".json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(path, result)
     print(f"wrote {path}")
     return 1 if result["errors"] or result["long_error"] else 0
 

@@ -12,13 +12,13 @@ The variants (name=SETTING=VALUE,...; DTYPE picks the weights' type):
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
 from pathlib import Path
 
 from bench.prompts import make_prompt
+from bench.report import write_json
 from shared.protocol import Job, SamplingParams
 from shared.settings import Settings
 from worker.continuous import engine as continuous
@@ -106,9 +106,8 @@ def main(argv=None) -> None:
               f"median {r['median_alike']}, min {min(alike)}; one player {r['lone_step_ms']:.1f} ms per step")
     print(f"  {name}: one player {results[name]['lone_step_ms']:.1f} ms per step")
     out = Path(args.out).with_suffix(".json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"prompts": args.prompts, "tokens": args.tokens, "reference": name,
-                               "results": results}, indent=1))
+    write_json(out, {"prompts": args.prompts, "tokens": args.tokens, "reference": name, "results": results},
+               indent=1)
     print(f"wrote {out}")
 
 

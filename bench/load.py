@@ -1,12 +1,11 @@
 """Crowd load test: N players ask the storyteller for stories at the same time.
 
 Run from the project root:  python -m bench.load --players 1 4 16 64
-Other scripts can import run_crowd / write_results / plot to compare servers.
+Other benches import run_crowd to send a crowd; its rows are printed and drawn by bench.report.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -19,12 +18,11 @@ from tqdm import tqdm
 from bench.client import (REQUEST_ERRORS, Outcome, complete, describe_error, get_first_model,
                           request)
 from bench.prompts import WORDS, RequestShape, make_prompt  # noqa: F401 (this module's old API)
+from bench.report import format_row, load_runs, merge_run, plot_crowds, write_runs
 from bench.stats import gap_summary, gaps, p95, rounded
 
 WARMUP_TOKENS = 8
 MAX_ERROR_SAMPLES = 5
-COLUMNS = ("players", "ok", "errors", "wall s", "tok/s", "median s", "p95 s", "ms/tok")
-STREAM_COLUMNS = ("TTFT med", "TTFT p95", "gap med", "gap p95", "gap max")
 
 
 def summarize(players: int, outcomes: list[Outcome], errors: list[str], seconds: float,
@@ -104,98 +102,6 @@ def run_crowd(url: str, model: str, players: int, requests: int = 4, tokens: int
         # Closing also silences the bar for players still running after Ctrl-C.
         bar.close()
     return summarize(players, done, errors, time.perf_counter() - start, stream)
-
-
-def format_row(row: dict | None, stream: bool = False) -> str:
-    """A table line for `row`, or the header when row is None; a streamed crowd's line (and the
-    header with stream=True) also has TTFT in seconds and the gaps between chunks in ms."""
-    if row is None:  # the header
-        cells = COLUMNS + (STREAM_COLUMNS if stream else ())
-    else:
-        def num(value, fmt):
-            return "-" if value is None else format(value, fmt)
-        ms_tok = row["median_s_per_token"] and row["median_s_per_token"] * 1000
-        cells = (row["players"], row["requests"], row["errors"], num(row["seconds"], ".2f"),
-                 num(row["tokens_per_s"], ".1f"), num(row["median_s"], ".3f"),
-                 num(row["p95_s"], ".3f"), num(ms_tok, ".1f"))
-        if row.get("stream"):
-            cells += (num(row["ttft_median_s"], ".3f"), num(row["ttft_p95_s"], ".3f"),
-                      num(row["gap_median_ms"], ".1f"), num(row["gap_p95_ms"], ".1f"),
-                      num(row["gap_max_ms"], ".1f"))
-    return "  ".join(f"{c:>9}" for c in cells)
-
-
-def load_runs(path: str | Path) -> list[dict]:
-    path = Path(path)
-    return json.loads(path.read_text())["runs"] if path.exists() else []
-
-
-def merge_run(runs: list[dict], run: dict) -> list[dict]:
-    """Replace any run with the same label, so re-running a config updates it."""
-    return [r for r in runs if r["label"] != run["label"]] + [run]
-
-
-def write_results(runs: list[dict], path: str | Path) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"runs": runs}, indent=2) + "\n")
-
-
-def plot(runs: list[dict], path: str | Path) -> None:
-    # Imported here so scripts that only run crowds don't pay for matplotlib.
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.lines import Line2D
-    from matplotlib.ticker import NullLocator
-
-    streamed = any(r.get("stream") for run in runs for r in run["rows"])
-    fig, axes = plt.subplots(1, 3 if streamed else 2, figsize=(19 if streamed else 13, 5.2),
-                             layout="constrained")
-    ax_tps, ax_lat = axes[0], axes[1]
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, run in enumerate(runs):
-        colour = colours[i % len(colours)]
-        rows = [r for r in run["rows"] if r["median_s"] is not None]
-        xs = [r["players"] for r in rows]
-        ax_tps.plot(xs, [r["tokens_per_s"] for r in rows], "o-", color=colour, label=run["label"])
-        ax_lat.plot(xs, [r["median_s"] for r in rows], "o-", color=colour, label=run["label"])
-        ax_lat.plot(xs, [r["p95_s"] for r in rows], "s--", color=colour, alpha=0.7)
-        if streamed:
-            rows = [r for r in rows if r.get("ttft_median_s") is not None]
-            xs = [r["players"] for r in rows]
-            axes[2].plot(xs, [r["ttft_median_s"] for r in rows], "o-", color=colour,
-                         label=run["label"])
-            axes[2].plot(xs, [r["ttft_p95_s"] for r in rows], "s--", color=colour, alpha=0.7)
-
-    ticks = sorted({r["players"] for run in runs for r in run["rows"]})
-    panels = [(ax_tps, "Throughput", "output tokens / s (all players)"),
-              (ax_lat, "Request latency", "seconds per request")]
-    if streamed:
-        panels.append((axes[2], "Time to first token", "seconds"))
-    for ax, title, ylabel in panels:
-        ax.set(title=title, ylabel=ylabel, xlabel="players (concurrent clients)")
-        ax.set_xscale("log", base=2)
-        # Label exactly the crowd sizes measured, not powers of two matplotlib picks.
-        ax.set_xticks(ticks, [str(t) for t in ticks])
-        ax.xaxis.set_minor_locator(NullLocator())
-        ax.grid(True, alpha=0.3)
-    ax_tps.set_ylim(bottom=0)
-    # Waits range from seconds to minutes between configurations: a log scale shows both.
-    ax_lat.set_yscale("log")
-    ax_tps.legend(title="run")
-    # Colour says which run, line style says which statistic; say so once in the legend.
-    for ax in axes[1:]:
-        handles, _ = ax.get_legend_handles_labels()
-        handles += [Line2D([], [], color="grey", ls="-", label="median"),
-                    Line2D([], [], color="grey", ls="--", label="p95")]
-        ax.legend(handles=handles)
-    if runs:
-        desc = {f"{r['tokens']} tokens x {r['requests']} requests per player" for r in runs}
-        fig.suptitle("Storyteller crowd load: " + "; ".join(sorted(desc)))
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def shape_from_args(args) -> RequestShape:
@@ -278,14 +184,14 @@ def main(argv: list[str] | None = None) -> int:
             print(format_row(row), flush=True)
             for message in row["error_samples"]:
                 print(f"    error: {message}", flush=True)
-            write_results(merge_run(previous, run), json_path)
+            write_runs(merge_run(previous, run), json_path)
     except KeyboardInterrupt:
         print("interrupted; keeping the crowds that finished", file=sys.stderr)
         interrupted = True
     runs = merge_run(previous, run)
     if run["rows"]:
-        write_results(runs, json_path)
-        plot(runs, png_path)
+        write_runs(runs, json_path)
+        plot_crowds(runs, png_path)
         print(f"wrote {json_path} and {png_path}")
     return 130 if interrupted else 0
 

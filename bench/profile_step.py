@@ -9,7 +9,6 @@ the operators that took the most time; writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bench.report import write_json
 from shared.protocol import Job, SamplingParams
 from shared.settings import Settings
 from worker.continuous import engine as continuous
@@ -80,10 +80,9 @@ def main(argv=None) -> None:
         for op in r["ops"]:
             print(f"  {op['name']:<36} {op['share']:>6.1%} {op['ms_per_step']:>8.2f} {op['calls_per_step']:>6.0f}")
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(
-        {"threads": torch.get_num_threads(), "int4_rows": args.int4_rows, "small_kernel": args.small_kernel,
-         "context": args.context, "results": results}, indent=1))
+    write_json(out.with_suffix(".json"), {"threads": torch.get_num_threads(), "int4_rows": args.int4_rows,
+                                          "small_kernel": args.small_kernel, "context": args.context,
+                                          "results": results}, indent=1)
     print(f"\nwrote {out.with_suffix('.json')}")
 
 

@@ -12,7 +12,6 @@ chart. Candidates that are not row-invariant are timed too, as the baseline they
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from bench.report import pyplot, save_figure, write_json
 from worker.continuous import kernels
 from worker.continuous.linear import PACK_ROWS_HINT, pack_dense_panels
 from worker.continuous.weights import fuse, read_gguf
@@ -85,9 +85,7 @@ def time_ms(run, xs, repeats: int) -> float:
 
 
 def plot(results: dict, out: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
     for name, row in results["ms"].items():
         ax.plot(results["rows"], [results["rows"][i] / ms * 1000 for i, ms in enumerate(row)], marker="o",
@@ -99,7 +97,7 @@ def plot(results: dict, out: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out.with_suffix(".png"), dpi=110)
+    save_figure(fig, out.with_suffix(".png"), dpi=110)
 
 
 def main(argv=None) -> None:
@@ -129,8 +127,7 @@ def main(argv=None) -> None:
             line.append(f"{ms:8.2f} ms ({base / ms:4.2f}x)")
         print(f"{n:>5} " + " ".join(f"{cell:>24}" for cell in line), flush=True)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    write_json(out.with_suffix(".json"), results, indent=1)
     plot(results, out)
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')} "
           "(x: speed against oneDNN's bf16 product, higher is faster)")

@@ -9,13 +9,13 @@ request really had), from sending to the last byte.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections import Counter
 from pathlib import Path
 from typing import Optional
 
+from bench.report import cell, pyplot, save_figure, write_json
 from bench.soak_client import ANSWERED, FAILED, HUNG_UP, LOST, Attempt
 from bench.stats import percentile
 
@@ -81,7 +81,7 @@ def passed(summary: dict) -> bool:
 
 
 def _num(value: Optional[float]) -> str:
-    return "-" if value is None else f"{value:.2f}"
+    return cell(value, ".2f")
 
 
 def markdown(summary: dict, chart_name: Optional[str]) -> str:
@@ -125,8 +125,7 @@ def write(summary: dict, prefix: Path, page: Optional[Path] = None) -> str:
     """<prefix>.json, <prefix>.png, and the soak's section of page (<prefix>.md unless given; the
     rest of that file is left as it is), its chart linked relative to the page. Returns the
     Markdown section."""
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    prefix.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
+    write_json(prefix.with_suffix(".json"), summary, indent=1)
     chart = prefix.with_suffix(".png")
     plot(summary, chart)
     page = page or prefix.with_suffix(".md")
@@ -142,12 +141,8 @@ def write(summary: dict, prefix: Path, page: Optional[Path] = None) -> str:
 
 
 def plot(summary: dict, path: Path) -> None:
-    import matplotlib  # here: only the report needs it
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = summary["requests"]
-    fig, ax = plt.subplots(figsize=(13, 5.5), layout="constrained")
+    fig, ax = pyplot().subplots(figsize=(13, 5.5), layout="constrained")
     for outcome, stream, style, label in [(ANSWERED, False, dict(c="tab:blue", marker="."), "answered, whole"),
                                           (ANSWERED, True, dict(c="tab:green", marker="."), "answered, streamed"),
                                           (FAILED, None, dict(c="tab:red", marker="x"), "failed (clear error)"),
@@ -170,5 +165,4 @@ def plot(summary: dict, path: Path) -> None:
                  f"redis = Redis restart")
     ax.grid(True, alpha=0.3)
     ax.legend(loc="upper left", fontsize=8)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)

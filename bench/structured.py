@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from bench.load import run_crowd
+from bench.report import pyplot, save_figure, write_json
 from bench.stack import stack
 from bench.stats import ratio
 
@@ -240,16 +241,14 @@ def main(argv=None) -> int:
     record = {"when": datetime.datetime.now().isoformat(timespec="seconds"), "machine": platform.processor() or
               platform.machine(), "args": vars(args), "summary": summary, "compile_ms": costs, "runs": runs,
               "schemas_sha256": hashlib.sha256(json.dumps(SCHEMAS, sort_keys=True).encode()).hexdigest()[:16]}
-    out.with_suffix(".json").write_text(json.dumps(record, indent=1))
+    write_json(out.with_suffix(".json"), record, indent=1)
     _plot(summary, costs, out.with_suffix(".png"))
     print(f"\nwrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
     return 0
 
 
 def _plot(summary: dict, costs: list[dict], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     labels = ["crowd tokens/s", "lone player ms/token"]
@@ -275,7 +274,7 @@ def _plot(summary: dict, costs: list[dict], path: Path) -> None:
     right.set_title("A schema's first compile (bar at 50 ms)")
     right.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
 
 
 if __name__ == "__main__":

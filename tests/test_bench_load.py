@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from bench import engines, interference, prompts, scenarios, stats
+from bench import engines, interference, prompts, report, scenarios, stats
 from bench.client import Outcome, chunk_text, sse_events
-from bench.load import format_row, summarize
-
+from bench.load import summarize
+from bench.report import format_row
 
 # --- prompts ---------------------------------------------------------------------------------
 
@@ -146,7 +146,7 @@ def test_plan_adds_prefix_caching_twins_once():
 def test_table_shows_ratio_to_first_config():
     results = {"a": [{"case": "1 players", "tokens_per_s": 10.0, "errors": 0}],
                "b": [{"case": "1 players", "tokens_per_s": 25.0, "errors": 0}]}
-    table = engines.format_table("uniform", "desc", scenarios.SCENARIOS["uniform"].metrics,
+    table = report.format_table("uniform", "desc", scenarios.SCENARIOS["uniform"].metrics,
                                  results, ["a", "b"])
     line = next(x for x in table.splitlines() if "tok/s" in x)
     assert "10.0" in line and "25.0" in line and line.endswith("2.50x")
@@ -166,7 +166,7 @@ def test_worker_counter_deltas_and_cells():
     assert engines.counter_deltas(before, after) == {"worker_prefix_hit_tokens": 250,
                                                      "worker_preempted": 0}
     assert engines.counter_deltas([{}], [{"stats": None}]) == {}
-    assert engines.show(None, "d") == "-" and engines.show(2.5, "d") == "2.5"
+    assert report.cell(None, "d") == "-" and report.cell(2.5, "d") == "2.5"
 
 
 def test_interference_rows_count_a_failed_long_prompt(monkeypatch):
