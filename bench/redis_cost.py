@@ -23,201 +23,25 @@ Everything is written to <out>.json (re-running one --part keeps the other's res
 from __future__ import annotations
 
 import argparse
-import datetime
-import hashlib
 import json
-import os
-import platform
-import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Callable, Optional
 
-import psutil
 import redis
 
 from bench.load import run_crowd
-from bench.stack import Stack, redis_server, stack
-from serve import free_port, wait_for_redis
-from shared import keys
-from shared.protocol import Final, Job, SamplingParams, TextDelta, encode_result
-
-ME = "redis-cost"  # this script's own connections, named so that MONITOR's counts leave them out
-# Commands this script sends to measure (INFO, CLIENT LIST...): never counted as the service's.
-OWN = {"info", "config|resetstat", "client|list", "client|setname", "monitor", "echo", "hello",
-       "script|load", "command|docs", "select"}
-STOP_MARK = "redis-cost-stop"
+from bench.probes import (ME, cpu_by_role, delta, info_reply_bytes, is_round_trip, less_background,
+                          less_idle, machine, monitored, snapshot, tiny_model, worker_steps)
+from bench.redis_benchmark import run_benchmark
+from bench.report import pyplot, save_figure, write_json
+from bench.stack import stack
+from serve import free_port
 
 
-def _lua_scripts() -> dict[str, str]:
-    """Every Lua script of the service, by name (_TAKE -> take): MONITOR shows only their SHA."""
-    import api.admission
-    import api.batch_store
-    import worker.job_queue
-    found = {}
-    for module in (api.admission, api.batch_store, worker.job_queue):
-        for name, value in vars(module).items():
-            if name.startswith("_") and name.isupper() and isinstance(value, str) and "redis.call" in value:
-                found[name.strip("_").lower()] = value
-    return found
-
-
-SCRIPTS = _lua_scripts()
-SCRIPT_BY_SHA = {hashlib.sha1(text.encode()).hexdigest(): name for name, text in SCRIPTS.items()}
 IDLE_S = 5.0
-
-
-# Reading Redis' own counters
-
-def snapshot(client: redis.Redis) -> dict:
-    info = client.execute_command("INFO", "commandstats", "stats", "cpu", "memory")
-    calls, usec = {}, {}
-    for key, value in info.items():
-        if key.startswith("cmdstat_"):
-            name = key.removeprefix("cmdstat_")
-            if name not in OWN:
-                calls[name], usec[name] = int(value["calls"]), int(value["usec"])
-    return {"calls": calls, "usec": usec, "net_in": int(info["total_net_input_bytes"]),
-            "net_out": int(info["total_net_output_bytes"]),
-            "cpu_s": float(info["used_cpu_user"]) + float(info["used_cpu_sys"]),
-            "memory": int(info["used_memory"]), "at": time.perf_counter()}
-
-
-def delta(before: dict, after: dict, info_bytes: int = 0) -> dict:
-    """What happened between two snapshots; `info_bytes`: one INFO reply, which is ours, not the
-    service's output."""
-    names = set(before["calls"]) | set(after["calls"])
-    return {"calls": {n: after["calls"].get(n, 0) - before["calls"].get(n, 0) for n in sorted(names)},
-            "usec": {n: after["usec"].get(n, 0) - before["usec"].get(n, 0) for n in sorted(names)},
-            "net_in": after["net_in"] - before["net_in"],
-            "net_out": after["net_out"] - before["net_out"] - info_bytes,
-            "cpu_s": round(after["cpu_s"] - before["cpu_s"], 6),
-            "memory": after["memory"] - before["memory"],
-            "seconds": round(after["at"] - before["at"], 3)}
-
-
-def info_reply_bytes(client: redis.Redis) -> int:
-    """The bytes one of our INFO calls adds to Redis' output count."""
-    first = snapshot(client)
-    second = snapshot(client)
-    return second["net_out"] - first["net_out"]
-
-
-def less_background(measured: dict, idle: dict) -> dict:
-    """`measured` less what the idle stack does in as many seconds (heartbeats, idle polls)."""
-    scale = measured["seconds"] / idle["seconds"]
-    out = dict(measured)
-    out["calls"] = {n: max(0.0, c - idle["calls"].get(n, 0) * scale) for n, c in measured["calls"].items()}
-    for key in ("net_in", "net_out", "cpu_s"):
-        out[key] = max(0.0, measured[key] - idle[key] * scale)
-    return out
-
-
-# The processes' CPU
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process and its children (gunicorn's master and its workers)."""
-    try:
-        process = psutil.Process(pid)
-        total = 0.0
-        for p in [process, *process.children(recursive=True)]:
-            times = p.cpu_times()
-            total += times.user + times.system
-        return total
-    except psutil.NoSuchProcess:
-        return 0.0
-
-
-def cpu_by_role(running: Stack) -> dict[str, float]:
-    roles = {"redis": 0.0, "api": 0.0, "workers": 0.0}
-    for name, process in running.processes.items():
-        role = "workers" if name.startswith("worker") else name
-        roles[role] = roles.get(role, 0.0) + cpu_seconds(process.pid)
-    mine = os.times()
-    roles["client"] = mine.user + mine.system  # this process: the crowd's HTTP clients
-    return roles
-
-
-def worker_steps(ports: list[int]) -> int:
-    """Engine steps so far, summed over the workers (their batch-size histogram's count)."""
-    total = 0
-    for port in ports:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-            for line in response.read().decode().splitlines():
-                if line.startswith("storyteller_batch_size_count"):
-                    total += int(float(line.rsplit(" ", 1)[1]))
-    return total
-
-
-# Who sent what: MONITOR
-
-class Monitor(threading.Thread):
-    """Counts every command Redis runs, by who sent it: the connection's port (told apart later by
-    the connections' names), or, for a command a Lua script ran (no round trip of its own), the
-    script: Redis runs one command at a time, so a script's commands follow its EVALSHA."""
-
-    def __init__(self, url: str):
-        super().__init__(daemon=True)
-        self.client = redis.Redis.from_url(url, client_name=f"{ME}-monitor")
-        self.counts: dict[tuple[str, str], int] = {}  # (port or "script:NAME", command) -> calls
-        self.ready = threading.Event()
-
-    def run(self) -> None:
-        script = "?"
-        with self.client.monitor() as monitor:
-            self.ready.set()
-            for entry in monitor.listen():
-                words = entry["command"].split(" ", 2)
-                if entry["command"].startswith("ECHO") and STOP_MARK in entry["command"]:
-                    return
-                name = words[0].lower()
-                if name in ("evalsha", "eval") and len(words) > 1:
-                    sha = words[1] if name == "evalsha" else hashlib.sha1(words[1].encode()).hexdigest()
-                    script = SCRIPT_BY_SHA.get(sha, "other")
-                    name = f"evalsha:{script}"
-                sender = f"script:{script}" if entry["client_type"] == "lua" else entry["client_port"]
-                self.counts[(sender, name)] = self.counts.get((sender, name), 0) + 1
-
-
-def monitored(client: redis.Redis, url: str, crowd: Callable[[], dict]) -> tuple[dict, dict]:
-    """Run `crowd` under MONITOR: ({"api:get": n, "worker:evalsha:take": n, "script:take:lindex": n,
-    ..., "seconds": s}, the crowd's row)."""
-    monitor = Monitor(url)
-    monitor.start()
-    monitor.ready.wait(5)
-    time.sleep(0.2)
-    started = time.perf_counter()
-    row = crowd()
-    seconds = time.perf_counter() - started
-    names = {}
-    for entry in client.client_list():
-        names[entry["addr"].rsplit(":", 1)[1]] = entry.get("name", "")
-    client.echo(STOP_MARK)
-    monitor.join(60)
-    counts: dict[str, float] = {}
-    for (sender, command), n in monitor.counts.items():
-        if command in OWN:
-            continue
-        if sender.startswith("script:"):
-            side = sender
-        else:
-            name = names.get(sender, "")
-            if name.startswith(ME):
-                continue
-            side = "api" if name.startswith("storyteller-api") else "worker" if name == "" else "other"
-        counts[f"{side}:{command}"] = counts.get(f"{side}:{command}", 0) + n
-    counts["seconds"] = seconds
-    return counts, row
-
-
-def is_round_trip(sent: str) -> bool:
-    """A command a client sent ("api:get"), not one a script ran ("script:take:lindex")."""
-    return not sent.startswith("script:")
 
 
 # Per request, per token, per step
@@ -267,18 +91,6 @@ def per_unit(runs: list[dict]) -> dict:
 
 
 # The crowds
-
-def tiny_model(directory: Path) -> str:
-    """The tests' tiny random Llama, with room for long answers (rotary positions: no weight
-    depends on the context length, so raising it in the config is all it takes)."""
-    from tests.tiny_models import save_tiny
-    path = save_tiny("llama", str(directory / "tiny-llama"))
-    config_path = Path(path) / "config.json"
-    config = json.loads(config_path.read_text())
-    config["max_position_embeddings"] = 2048
-    config_path.write_text(json.dumps(config, indent=2))
-    return path
-
 
 def measure_crowds(args, model_path: str, env: dict, say) -> dict:
     ports = [free_port()]
@@ -331,131 +143,6 @@ def measure_crowds(args, model_path: str, env: dict, say) -> dict:
                      for mode in ("whole", "streamed")}
     return result
 
-
-def less_idle(senders: dict, idle: dict) -> dict:
-    """A monitored crowd's counts less what the idle stack sends in as many seconds."""
-    background = senders["seconds"] / idle["seconds"]
-    return {k: (v if k == "seconds" else round(max(0.0, v - idle.get(k, 0) * background), 1))
-            for k, v in senders.items()}
-
-
-# redis-benchmark
-
-MODEL = "SmolLM2-135M-Instruct"
-ME_WORKER = "bench-worker"
-
-
-class _Recorder(redis.Redis):
-    """A client that keeps the last EVALSHA it sent, so that redis-benchmark replays exactly what the
-    API's and the worker's own classes send (their scripts' keys and arguments, whatever they are)."""
-    sent: list[str] = []
-
-    def execute_command(self, *args, **options):
-        if args and str(args[0]).upper() == "EVALSHA":
-            self.sent = [a.decode() if isinstance(a, bytes) else str(a) for a in args]
-        return super().execute_command(*args, **options)
-
-
-def payloads() -> dict:
-    """The service's messages at their usual sizes: jobs of a 30-token prompt, one streamed step's
-    text, a 100-token answer (~450 characters, as SmolLM2 writes)."""
-    jobs = [Job(id=f"0123456789abcdef0123456789abcd{i:02d}-0", model=MODEL, prompt_ids=list(range(1000, 1030)),
-                params=SamplingParams(max_tokens=100, temperature=0.8), timeout_s=300, stream=True)
-            for i in range(16)]
-    words = "The dragon slept under the old gate while the knight waited. " * 8
-    return {"jobs": jobs,
-            "delta": encode_result(TextDelta(text=" dragon", offset=120, completion_tokens=31)),
-            "final": encode_result(Final(text=words[:450], finish_reason="length", prompt_tokens=30,
-                                         completion_tokens=100))}
-
-
-def benchmark_cases(url: str) -> list[tuple[str, list[str]]]:
-    """(label, command) pairs, as the service sends them: the scripts' calls are recorded from the
-    API's Admission and the worker's JobQueue run against the benchmark's Redis, which is left with
-    16 jobs taken and leased to one worker (what its publish script checks)."""
-    from api.admission import Admission
-    from worker.job_queue import JobQueue
-    p = payloads()
-    recorder = _Recorder.from_url(url)
-    admission = Admission(recorder, max_queue=0)
-    for job in p["jobs"]:
-        admission.push([job], cap=0)
-    admit = recorder.sent
-    worker = JobQueue(recorder, ME_WORKER, MODEL)
-    for _ in p["jobs"]:
-        worker._take_now(1, alone_ok=True)
-    take = recorder.sent
-    JobQueue(recorder, ME_WORKER, "nobody")._take_now(1, alone_ok=True)
-    take_empty = recorder.sent
-    ids = [job.id for job in p["jobs"]]
-    # Each delta with its token's record (at the 31st token of a 4-digit-id record).
-    worker._run_publish([ids[0], p["delta"], "", "", 150, "1234,"])
-    publish1 = recorder.sent
-    worker._run_publish([x for i in ids for x in (i, p["delta"], "", "", 150, "1234,")])
-    publish16 = recorder.sent
-    recorder.set(keys.answer(MODEL, ids[0]), p["final"])
-    return [
-        ("GET (a stored answer)", ["GET", keys.answer(MODEL, ids[0])]),
-        ("SET ... EX (an answer)", ["SET", keys.answer(MODEL, "__rand_int__"), p["final"], "EX", "300"]),
-        ("MGET x16 (cancel flags of a step)", ["MGET", *[keys.cancel(MODEL, i) for i in ids]]),
-        ("RPUSH (a job)", ["RPUSH", "bench:list", p["jobs"][0].to_json()]),
-        ("LMOVE (a job taken)", ["LMOVE", "bench:list", "bench:taken", "LEFT", "RIGHT"]),
-        ("PUBLISH (a delta, 1 subscriber)", ["PUBLISH", keys.channel(MODEL, ids[0]), p["delta"]]),
-        ("EVALSHA admit (push 1 job)", admit),
-        ("EVALSHA take (1 job)", take),
-        ("EVALSHA take (queue empty)", take_empty),
-        ("EVALSHA publish (1 delta)", publish1),
-        ("EVALSHA publish (16 deltas)", publish16),
-    ]
-
-
-def run_benchmark(args, say) -> list[dict]:
-    binary = args.redis_benchmark
-    if not Path(binary).exists():
-        raise SystemExit(f"{binary} is not there: install Debian's redis-tools")
-    port = free_port()
-    server = redis_server(port, subprocess.DEVNULL)
-    subscriber = None
-    try:
-        url = f"redis://127.0.0.1:{port}/0"
-        wait_for_redis(url)
-        client = redis.Redis.from_url(url)
-        cases = benchmark_cases(url)
-        # A reader on every channel published to, as the API's subscriber is: a message with
-        # nobody listening costs Redis less than one delivered.
-        subscriber = subprocess.Popen(["redis-cli", "-p", str(port), "SUBSCRIBE",
-                                       *[keys.channel(MODEL, job.id) for job in payloads()["jobs"]]],
-                                      stdout=subprocess.DEVNULL)
-        time.sleep(0.5)
-        results = []
-        for label, command in cases:
-            rates, p50s, cpu_us = [], [], []
-            for _ in range(args.bench_repeats):
-                cpu_before = snapshot(client)["cpu_s"]
-                out = subprocess.run([binary, "-h", "127.0.0.1", "-p", str(port), "-n", str(args.bench_n),
-                                      "-c", str(args.bench_clients), "-r", "1000000", "--csv", *command],
-                                     capture_output=True, text=True, timeout=300)
-                line = [ln for ln in out.stdout.splitlines() if ln and not ln.startswith('"test"')][-1]
-                # The test's name is the command, quotes and commas and all: read from the end.
-                cells = [c.strip('"') for c in line.rsplit('","', 7)[1:]]
-                rates.append(float(cells[0]))  # rps, avg, min, p50, p95, p99, max
-                p50s.append(float(cells[3]))
-                # Redis' own CPU per command: what it costs the server, whether or not the client
-                # (on the same cores) kept it busy.
-                cpu_us.append((snapshot(client)["cpu_s"] - cpu_before) * 1e6 / args.bench_n)
-            row = {"label": label, "command": command[0] + ("" if command[0] != "EVALSHA" else
-                                                            " " + SCRIPT_BY_SHA.get(command[1], "?")),
-                   "rps": statistics.median(rates), "rps_all": rates, "p50_ms": statistics.median(p50s),
-                   "redis_cpu_us": round(statistics.median(cpu_us), 2)}
-            results.append(row)
-            say(f"  {label:<36} {row['rps']:>9,.0f} /s  {row['redis_cpu_us']:>6.1f} us of Redis CPU each  "
-                f"(p50 {row['p50_ms']:.2f} ms; runs {', '.join(f'{r:,.0f}' for r in rates)})")
-        return results
-    finally:
-        if subscriber:
-            subscriber.terminate()
-        server.terminate()
-        server.wait(10)
 
 
 # The ceiling
@@ -539,9 +226,7 @@ def show_units(name: str, result: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 3, figsize=(20, 6.5), layout="constrained")
     ceil = report.get("ceiling", {})
@@ -599,15 +284,8 @@ def plot(report: dict, path: Path) -> None:
         axes[2].grid(True, which="both", alpha=0.3)
         axes[2].legend(fontsize=8)
     fig.suptitle("Storyteller: what Redis spends per request, per token and per step")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
-
-def machine() -> dict:
-    version = subprocess.run(["redis-server", "--version"], capture_output=True, text=True).stdout.strip()
-    return {"cpus": os.cpu_count(), "load_average": [round(x, 2) for x in os.getloadavg()],
-            "platform": platform.platform(), "redis": version.split(" sha=")[0],
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -644,8 +322,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(line, flush=True)
 
     def save() -> None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(report, indent=1) + "\n")
+        write_json(json_path, report, indent=1)
 
     if args.part in ("all", "crowd"):
         env = dict(item.split("=", 1) for item in args.env)

@@ -20,7 +20,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -28,7 +27,8 @@ import psutil
 import redis
 
 from bench.load import run_crowd
-from bench.redis_cost import ME, cpu_by_role, delta, info_reply_bytes, machine, snapshot, tiny_model, worker_steps
+from bench.probes import ME, cpu_by_role, delta, info_reply_bytes, machine, snapshot, tiny_model, worker_steps
+from bench.report import pyplot, save_figure, write_json
 from bench.stack import StackError, stack
 from serve import free_port
 
@@ -109,9 +109,7 @@ def line(r: dict) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     models = list(dict.fromkeys(r["model"] for r in rows))
     fig, axes = plt.subplots(1, 3, figsize=(18, 5.5), layout="constrained")
@@ -142,8 +140,7 @@ def plot(rows: list[dict], path: Path) -> None:
     crowd = {f"{r['players']} players, {r['requests']} requests of {r['tokens'] // max(1, r['requests'])} tokens"
              for r in rows}
     fig.suptitle("Storyteller: throughput by worker count (" + "; ".join(sorted(crowd)) + ")")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -168,8 +165,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     report.setdefault("machines", {})[label] = machine()
 
     def save() -> None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(report, indent=1) + "\n")
+        write_json(json_path, report, indent=1)
 
     print(f"# {label}: {args.players} players x {args.requests} requests x {args.tokens} tokens, "
           f"{'streamed' if args.stream else 'whole'}; workers {', '.join(map(str, args.workers))}")

@@ -38,7 +38,7 @@ from bench.faults import FaultRunner, plan
 from bench.prompts import RequestShape
 from bench.soak_client import ANSWERED, FAILED, LOST, Attempt, compare, send
 from bench.soak_report import passed, summarize, write
-from bench.stack import Stack
+from bench.stack import Stack, StackError
 
 PROGRESS_EVERY_S = 10
 # The results live apart from the prose that reads them (docs/results/, docs/reliability.md).
@@ -159,7 +159,10 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="storyteller-soak-") as data:
         stack = Stack(env, args.model, logs, "soak", args.workers, data_dir=Path(data))
         try:
-            stack.start()
+            try:
+                stack.start()
+            except StackError as exc:
+                raise SystemExit(f"the soak's stack did not start: {exc}") from None
             print(f"stack up at {stack.url} ({stack.model}); taking {len(pool)} references", flush=True)
             references = take_references(stack, pool, args.client_timeout)
             zero = time.monotonic()
