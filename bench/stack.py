@@ -142,7 +142,8 @@ class Stack:
             time.sleep(0.5)
 
     def start_redis(self) -> None:
-        self.redis = self._spawn(None, "redis")
+        with self._log("redis") as log:
+            self.redis = redis_server(self.redis_port, log, self.data_dir)
         try:
             wait_for_redis(self.redis_url)
         except SystemExit as exc:
@@ -162,38 +163,41 @@ class Stack:
         self._names[process.pid] = name
         return process
 
-    def _spawn(self, command, name: str, env: Optional[dict] = None, cwd=None) -> subprocess.Popen:
+    def _log(self, name: str):
+        """The log file of process `name`, opened for the child (which keeps its own copy of the
+        fd); a restarted Redis adds to its log."""
         path = self.log_dir / f"{safe_name(self.label)}-{name}.log"
-        again = name in self.logs  # a restarted Redis adds to its log
+        again = name in self.logs
         self.logs[name] = path
-        with open(path, "ab" if again else "wb") as log:  # the child keeps its own copy of the fd
-            if command is None:
-                return redis_server(self.redis_port, log, self.data_dir)
-            return subprocess.Popen(command, env=env or self.env, stdout=log,
-                                    stderr=subprocess.STDOUT, cwd=cwd)
+        return open(path, "ab" if again else "wb")
+
+    def _spawn(self, command: list[str], name: str, env: Optional[dict] = None, cwd=None) -> subprocess.Popen:
+        with self._log(name) as log:
+            return subprocess.Popen(command, env=env or self.env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd)
 
     def client(self) -> redis.Redis:
         return redis.Redis.from_url(self.redis_url, socket_connect_timeout=2, socket_timeout=5)
 
+    def _heartbeats(self) -> dict[str, bytes]:
+        """Worker id -> its heartbeat, for each registered worker whose heartbeat is alive."""
+        client = self.client()
+        registered = {i.decode(): m.decode() for i, m in client.hgetall(keys.WORKERS).items()}
+        ids = list(registered)
+        beats = client.mget([keys.heartbeat(registered[i], i) for i in ids]) if ids else []
+        return {i: b for i, b in zip(ids, beats) if b is not None}
+
     def workers(self) -> list[dict]:
         """What the live workers announce in their heartbeats (engine, batch, dtype...), read
         straight from Redis so a benchmark records which engine really ran."""
-        client = self.client()
-        registered = client.hgetall(keys.WORKERS)  # worker id -> its model
-        beats = client.mget([keys.heartbeat(m.decode(), i.decode()) for i, m in registered.items()]) \
-            if registered else []
-        return [json.loads(b) for b in beats if b is not None]
+        return [json.loads(beat) for beat in self._heartbeats().values()]
 
     def live_workers(self) -> list[dict]:
         """(id, pid) of the workers with a live heartbeat; [] while Redis is away."""
         try:
-            client = self.client()
-            registered = {i.decode(): m.decode() for i, m in client.hgetall(keys.WORKERS).items()}
-            ids = list(registered)
-            beats = client.mget([keys.heartbeat(registered[i], i) for i in ids]) if ids else []
+            ids = list(self._heartbeats())
         except redis.RedisError:
             return []
-        return [{"id": i, "pid": int(i.split("-")[-2])} for i, b in zip(ids, beats) if b is not None]
+        return [{"id": i, "pid": int(i.split("-")[-2])} for i in ids]
 
     def wait_for_workers(self, count: int, timeout: float, pid: Optional[int] = None) -> Optional[float]:
         """Seconds until `count` workers are alive (the one of `pid` among them), or None if not

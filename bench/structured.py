@@ -25,8 +25,10 @@ import random
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from bench.client import complete
 from bench.load import run_crowd
 from bench.report import pyplot, save_figure, write_json
 from bench.stack import stack
@@ -157,10 +159,6 @@ def learn_lengths(url: str, model: str, players: int, requests: int, tokens: int
     """Each constrained request's reply length, by its seed: asked once, 16 at a time. The engine
     writes a request's text whatever shares its step (batch invariance), so the crowd's replies
     will have these lengths too, and the unconstrained twin is asked for exactly as many tokens."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from bench.client import complete
-
     todo = requests_of(players, requests, tokens, seed)
     with ThreadPoolExecutor(16) as pool:
         outcomes = pool.map(lambda item: complete(url, model, item[0], tokens, 0.8, False, 600, item[1]), todo)
@@ -188,7 +186,6 @@ def main(argv=None) -> int:
     runs: dict[str, list[dict]] = {k: [] for k in ("crowd plain", "crowd json", "lone plain", "lone json")}
     with stack({}, label="structured") as running:
         model = running.model
-        from bench.client import complete
         for name in SCHEMAS:  # every schema once, so the crowds measure cached grammars
             complete(running.url, model, "Say hello as JSON.\n", 8, 0.8, False, 600,
                      {"response_format": response_format(name)})
