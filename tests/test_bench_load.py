@@ -152,6 +152,18 @@ def test_table_shows_ratio_to_first_config():
     assert "10.0" in line and "25.0" in line and line.endswith("2.50x")
 
 
+def test_scenarios_are_read_from_their_sizes():
+    mixed = scenarios.SCENARIOS["mixed"]
+    assert mixed.shape(scenarios.SMOKE) == prompts.RequestShape(max_tokens=(4, 16),
+                                                                prompt_tokens=(20, 200))
+    assert scenarios.SCENARIOS["prefix"].shape(scenarios.Sizes()) == prompts.RequestShape(
+        max_tokens=(100, 100), system_tokens=300)
+    assert scenarios.SCENARIOS["uniform"].describe(scenarios.Sizes()) == (
+        "1/16/64 players x 4 requests x 100 tokens, EOS ignored")
+    assert scenarios.SCENARIOS["interference"].describe(scenarios.SMOKE).startswith(
+        "a ~500-token prompt arrives 2 s into 4 players")
+
+
 def test_repeats_are_combined_by_median():
     runs = [[{"case": "x", "tokens_per_s": v, "errors": e, "label": "k"}]
             for v, e in ((1.0, 0), (5.0, 1), (2.0, 0))]

@@ -1,5 +1,6 @@
 """The soak's judge (bench/soak_client.py): a server that misbehaves in each way must be called
-what it is. A soak that reports 0 lost is worth only as much as its eye for a lost request."""
+what it is. A soak that reports 0 lost is worth only as much as its eye for a lost request. The
+crowd's judge (bench/client.py) reads through the same client, and is asked here too."""
 from __future__ import annotations
 
 import json
@@ -142,3 +143,23 @@ def test_fault_plan():
     assert all(at <= 580 for at, _ in faults)  # the last one's aftermath is measured too
     with pytest.raises(SystemExit, match="too short"):
         plan(60, 30)
+
+
+def test_the_crowds_judge_reads_the_same_client(server):
+    # bench.client.send reads for both judges: the crowd's wants a whole answer or an error.
+    from bench.client import StreamError, complete, stream_complete
+
+    whole = complete(f"{server}/whole", "m", "prompt", 9, 0, True, timeout=0.5)
+    assert (whole.text, whole.completion_tokens, whole.chunk_times) == (REFERENCE, 9, [])
+    streamed = stream_complete(f"{server}/complete", "m", "prompt", 9, 0, True, timeout=0.5)
+    assert streamed.text == REFERENCE and streamed.completion_tokens == 9 and streamed.finished
+    assert len(streamed.chunk_times) == 2 and streamed.ttft is not None
+    with pytest.raises(StreamError, match="worker died"):
+        stream_complete(f"{server}/stream-error", "m", "prompt", 9, 0, True, timeout=0.5)
+    with pytest.raises(StreamError, match="usage"):
+        stream_complete(f"{server}/no-done", "m", "prompt", 9, 0, True, timeout=0.5)
+    stop = threading.Event()
+    stop.set()
+    cancelled = stream_complete(f"{server}/complete", "m", "prompt", 9, 0, True, 0.5, stop)
+    assert cancelled.cancelled and cancelled.completion_tokens == 0
+    assert len(cancelled.chunk_times) == 1  # closed at the first chunk
