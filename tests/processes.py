@@ -2,16 +2,19 @@
 (`python -m api`, `python -m worker`), and waiting on them.
 
 Every test against real processes builds its stack from these pieces, so that a port, a log or a
-stop works the same in all of them (and `free_port` comes from here: serve.py, which owns it, may
-move it without touching every test).
+stop works the same in all of them, and looks at its workers the same way (which are live, what
+each holds, one paused while it still looks alive). `free_port` comes from here too: serve.py,
+which owns it, may move it without touching every test.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -25,9 +28,11 @@ import pytest
 import redis
 
 from serve import free_port, wait_for_redis
+from shared import keys
 from shared.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
+MODEL = "tiny-llama"  # what a tiny_worker of the tiny Llama serves: a worker names it after its directory
 
 
 class RedisServer:
@@ -169,3 +174,41 @@ def models_served(port: int) -> set[str]:
 
 def make_client(port: int, api_key: str = "none") -> openai.OpenAI:
     return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=api_key, max_retries=0, timeout=60)
+
+
+def live_worker_ids(client) -> list[str]:
+    ids = [i.decode() for i in client.hkeys(keys.WORKERS)]
+    return [i for i in ids if client.exists(keys.heartbeat(MODEL, i))]
+
+
+class Paused:
+    """A worker stopped with SIGSTOP whose heartbeat the test keeps alive: to the API it is a live
+    worker that takes nothing, so the queue fills as it would behind a worker that is busy."""
+
+    def __init__(self, proc, client):
+        self.proc, self.client = proc, client
+        (self.worker_id,) = live_worker_ids(client)
+        self.beat = client.get(keys.heartbeat(MODEL, self.worker_id))
+        self.done = threading.Event()
+        proc.send_signal(signal.SIGSTOP)
+        self.thread = threading.Thread(target=self._keep_alive, daemon=True)
+        self.thread.start()
+
+    def _keep_alive(self) -> None:
+        while not self.done.wait(0.3):
+            self.client.set(keys.heartbeat(MODEL, self.worker_id), self.beat, px=3000)
+
+    def resume(self) -> None:
+        self.done.set()
+        self.thread.join()
+        self.proc.send_signal(signal.SIGCONT)
+
+
+def holding(client, model: str) -> dict[int, int]:
+    """pid -> how many jobs each live worker of `model` holds."""
+    held = {}
+    for worker_id in [i.decode() for i in client.hkeys(keys.WORKERS)]:
+        beat = client.get(keys.heartbeat(model, worker_id))
+        if beat:
+            held[json.loads(beat)["pid"]] = client.llen(keys.processing(model, worker_id))
+    return held

@@ -8,13 +8,11 @@ import time
 import openai
 import pytest
 
-from shared import keys
-from shared import metrics as names
+from shared import keys, metrics as names
 from shared.protocol import Failure, decode_result
-from tests.processes import (free_port, get_json, logs, make_client, models_served, start_api, stop, tiny_worker,
-                             wait_until)
-from tests.test_metrics import grew, scrape, value
-from tests.test_reliability import MODEL, Paused
+from tests.processes import (MODEL, Paused, free_port, get_json, logs, make_client, models_served, start_api, stop,
+                             tiny_worker, wait_until)
+from tests.prometheus_text import grew, scrape, value
 from worker.faults import as_env
 
 pytestmark = pytest.mark.timeout(180)

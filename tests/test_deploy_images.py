@@ -25,11 +25,10 @@ from packaging.utils import canonicalize_name
 
 from shared import keys
 from shared.protocol import WorkerInfo
-from tests.processes import (ROOT, RedisServer, _env, free_port, get_json, logs, make_client, models_served,
-                             start, stop, wait_until)
-from tests.test_deploy import (METRIC, alert_exprs, copied_folders, dashboard_exprs, healthcheck_of,
-                               requirement_lines, split_name)
-
+from tests.deploy_files import (METRIC, alert_exprs, copied_folders, dashboard_exprs, healthcheck_of, requirement_lines,
+                                split_name)
+from tests.processes import (ROOT, RedisServer, _env, free_port, get_json, logs, make_client, models_served, start,
+                             stop, wait_until)
 
 # ----- the worker's health check, on real workers
 

@@ -24,45 +24,13 @@ from transformers import AutoTokenizer
 
 from shared import keys
 from shared.protocol import Final, Job, SamplingParams, decode_result
-from tests.processes import get_json, logs, make_client, models_served, start_api, stop, tiny_worker, wait_until
+from tests.live_stack import client, finish_reasons, stack, stream_text  # noqa: F401 (client, stack: fixtures)
+from tests.processes import MODEL, get_json, logs, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
-MODEL = "tiny-llama"  # the worker names the model after its directory's basename
 CONTEXT = 128         # the tiny models' context window
 GREEDY_LONG = dict(temperature=0, max_tokens=20, extra_body={"ignore_eos": True})
-
-
-class Stack:
-    def __init__(self, redis_server, port, worker, api):
-        self.redis_server, self.port, self.worker, self.api = redis_server, port, worker, api
-        self.redis = redis_server.client()
-
-    def worker_ids(self, model: str = MODEL) -> list[str]:
-        """Ids of the live workers of `model`, as their heartbeats announce them."""
-        ids = [i.decode() for i in self.redis.hkeys(keys.WORKERS)]
-        beats = self.redis.mget([keys.heartbeat(model, i) for i in ids]) if ids else []
-        return [i for i, beat in zip(ids, beats) if beat and json.loads(beat)["model"] == model]
-
-
-@pytest.fixture(scope="module")
-def stack(redis_server, tiny_model_dirs, tmp_path_factory):
-    redis_server.client().flushdb()  # no stale workers or queues from other tests
-    log_dir = tmp_path_factory.mktemp("stack-logs")
-    worker = tiny_worker(tiny_model_dirs["llama"], redis_server, log_dir, "worker", "--batch", "16")
-    # No cap on the queue: these tests are about answers, not backpressure (tests/test_reliability.py).
-    port, api = start_api(redis_server, log_dir, "api", "--max-queue", "0")
-    try:
-        wait_until(lambda: MODEL in models_served(port), [worker, api], f"/v1/models to list {MODEL}")
-        yield Stack(redis_server, port, worker, api)
-    finally:
-        stop(api), stop(worker)
-
-
-@pytest.fixture(scope="module")
-def client(stack):
-    with make_client(stack.port) as c:
-        yield c
 
 
 def clean_piece(text: str, size: int = 3) -> str:
@@ -73,20 +41,6 @@ def clean_piece(text: str, size: int = 3) -> str:
         if "\ufffd" not in piece and text.find(piece) > 0:
             return piece
     pytest.fail(f"no clean {size}-character piece in {text!r}")
-
-
-def stream_text(stream, chat: bool) -> tuple[str, list]:
-    """Concatenated text of a one-choice stream, and every chunk."""
-    chunks = list(stream)
-    pieces = []
-    for c in chunks:
-        for choice in c.choices:
-            pieces.append((choice.delta.content if chat else choice.text) or "")
-    return "".join(pieces), chunks
-
-
-def finish_reasons(chunks) -> list:
-    return [ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason]
 
 
 # Plain answers

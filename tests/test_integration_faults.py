@@ -13,9 +13,9 @@ import openai
 import pytest
 
 from shared import keys
-from tests.processes import (RedisServer, get_json, logs, make_client, models_served, start, start_api, stop,
+from tests.live_stack import finish_reasons, stack  # noqa: F401 (a fixture)
+from tests.processes import (MODEL, RedisServer, get_json, logs, make_client, models_served, start, start_api, stop,
                              tiny_worker, wait_until)
-from tests.test_integration import MODEL, finish_reasons, stack  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.timeout(120)
 

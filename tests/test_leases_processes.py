@@ -12,8 +12,8 @@ import time
 import pytest
 
 from shared import keys
-from tests.processes import logs, make_client, models_served, start_api, stop, tiny_worker, wait_until
-from tests.test_reliability import MODEL, _live_ids
+from tests.processes import (MODEL, live_worker_ids, logs, make_client, models_served, start_api, stop, tiny_worker,
+                             wait_until)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -31,10 +31,10 @@ def test_a_worker_cut_off_mid_stream_drops_its_job_and_the_client_gets_the_text_
     redis = redis_alone.client()
     try:
         wait_until(lambda: MODEL in models_served(port), procs, "the first worker")
-        (first_id,) = _live_ids(redis)
+        (first_id,) = live_worker_ids(redis)
         second = tiny_worker(tiny_model_dirs["llama"], redis_alone, tmp_path, "second")
         procs.append(second)
-        wait_until(lambda: len(_live_ids(redis)) == 2, procs, "the second worker")
+        wait_until(lambda: len(live_worker_ids(redis)) == 2, procs, "the second worker")
         client = make_client(port)
         request = dict(model=MODEL, prompt="The dragon", max_tokens=110, temperature=0,
                        extra_body={"ignore_eos": True})

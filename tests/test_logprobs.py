@@ -22,8 +22,9 @@ from api.tokenizers import Tokenizer
 from shared.protocol import Final, Job, SamplingParams, TextDelta
 from shared.settings import Settings
 from tests.engines import SETTINGS, make_engine, write
+from tests.live_stack import client, stack  # noqa: F401 (fixtures: a real stack)
+from tests.processes import MODEL
 from tests.queue_jobs import MODEL as QUEUE_MODEL, die_holding, messages_heard, push_job, subscribe_to
-from tests.test_integration import MODEL, client, stack  # noqa: F401 (fixtures: a real stack)
 from tests.tiny_models import tiny_tokenizer
 from worker import job_queue
 from worker.continuous import engine as continuous

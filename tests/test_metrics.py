@@ -7,13 +7,11 @@ from __future__ import annotations
 import json
 import threading
 import time
-import urllib.request
 from collections import Counter
 
 import pytest
 import redis
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -25,6 +23,7 @@ from shared.settings import Settings
 from tests.engines import make_engine
 from tests.fake_workers import MODEL as FAKE_MODEL, next_job, register_worker
 from tests.processes import free_port
+from tests.prometheus_text import grew, has, parse, value
 from worker.metrics import EngineCollector, WorkerMetrics
 from worker.static_engine import StaticEngine
 
@@ -32,31 +31,6 @@ pytestmark = pytest.mark.timeout(240)
 
 
 # Reading metrics
-
-def parse(text: str) -> dict[tuple[str, tuple], float]:
-    """{(sample name, sorted labels): value} of a text exposition."""
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def scrape(url: str) -> dict[tuple[str, tuple], float]:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        return parse(response.read().decode())
-
-
-def value(samples: dict, name: str, **labels) -> float:
-    """The sum of the samples named `name` whose labels include `labels` (0 if none)."""
-    wanted = {(k, str(v)) for k, v in labels.items()}
-    return sum(v for (n, ls), v in samples.items() if n == name and wanted <= set(ls))
-
-
-def has(samples: dict, name: str, **labels) -> bool:
-    wanted = {(k, str(v)) for k, v in labels.items()}
-    return any(n == name and wanted <= set(ls) for n, ls in samples)
-
-
-def grew(before: dict, after: dict, name: str, **labels) -> float:
-    return value(after, name, **labels) - value(before, name, **labels)
 
 
 # The API, in-process (Flask's test client, fakeredis)

@@ -19,12 +19,10 @@ import openai
 import pytest
 import yaml
 
-from shared import keys
-from shared import metrics as names
-from tests.processes import (ROOT, free_port, get_json, logs, make_client, models_served, start_api, stop, tiny_worker,
-                             wait_until)
-from tests.test_metrics import grew, scrape, value
-from tests.test_reliability import MODEL, Paused
+from shared import keys, metrics as names
+from tests.processes import (MODEL, ROOT, Paused, free_port, get_json, logs, make_client, models_served, start_api,
+                             stop, tiny_worker, wait_until)
+from tests.prometheus_text import grew, scrape, value
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -1,10 +1,9 @@
 """The pacer: prompt tokens beside decodes follow how far, as timed, they stretch the decodes' step."""
 import pytest
 
+from tests.schedulers import decoding, request, scheduler
 from worker.continuous.pacer import Pacer
 from worker.continuous.scheduler import MIN_PROMPT_SHARE
-
-from tests.test_scheduler import decoding, request, scheduler
 
 
 def machine(alone: float, per_token: float):

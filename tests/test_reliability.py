@@ -13,41 +13,11 @@ import openai
 import pytest
 
 from shared import keys
-from tests.processes import (RedisServer, get_json, logs, make_client, models_served, start_api, stop, tiny_worker,
-                             wait_until)
+from tests.processes import (MODEL, Paused, RedisServer, get_json, live_worker_ids, logs, make_client, models_served,
+                             start_api, stop, tiny_worker, wait_until)
 from worker.faults import as_env
 
 pytestmark = pytest.mark.timeout(180)
-
-MODEL = "tiny-llama"
-
-
-def _live_ids(client) -> list[str]:
-    ids = [i.decode() for i in client.hkeys(keys.WORKERS)]
-    return [i for i in ids if client.exists(keys.heartbeat(MODEL, i))]
-
-
-class Paused:
-    """A worker stopped with SIGSTOP whose heartbeat the test keeps alive: to the API it is a live
-    worker that takes nothing, so the queue fills as it would behind a worker that is busy."""
-
-    def __init__(self, proc, client):
-        self.proc, self.client = proc, client
-        (self.worker_id,) = _live_ids(client)
-        self.beat = client.get(keys.heartbeat(MODEL, self.worker_id))
-        self.done = threading.Event()
-        proc.send_signal(signal.SIGSTOP)
-        self.thread = threading.Thread(target=self._keep_alive, daemon=True)
-        self.thread.start()
-
-    def _keep_alive(self) -> None:
-        while not self.done.wait(0.3):
-            self.client.set(keys.heartbeat(MODEL, self.worker_id), self.beat, px=3000)
-
-    def resume(self) -> None:
-        self.done.set()
-        self.thread.join()
-        self.proc.send_signal(signal.SIGCONT)
 
 
 def _freeze_while_busy(proc, client, api) -> None:
@@ -55,7 +25,7 @@ def _freeze_while_busy(proc, client, api) -> None:
     sent next finds it mid-batch (a tiny model finishes a batch in a blink: polling alone races it)."""
     def frozen_busy() -> bool:
         proc.send_signal(signal.SIGSTOP)
-        ids = _live_ids(client)
+        ids = live_worker_ids(client)
         if ids and client.llen(keys.processing(MODEL, ids[0])) > 0 and client.llen(keys.queue(MODEL)) > 0:
             return True
         proc.send_signal(signal.SIGCONT)

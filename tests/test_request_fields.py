@@ -29,8 +29,8 @@ from shared.protocol import (FEATURE_GRAMMAR, FEATURE_LOGPROBS, FEATURE_PENALTIE
                              PARAM_FEATURES, SamplingParams, WorkerInfo, features_needed, params_json)
 from shared.settings import Settings
 from tests.fake_workers import MODEL, answer_in_background, openai_error, register_worker, seen_jobs
+from tests.live_stack import client, stack  # noqa: F401 (a real stack's fixtures, reused)
 from tests.processes import models_served, start, stop, wait_until
-from tests.test_integration import client, stack  # noqa: F401 (a real stack's fixtures, reused)
 from worker.static_engine import unsupported_params
 
 CHAT = [{"role": "user", "content": "A dragon?"}]

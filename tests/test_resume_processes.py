@@ -8,7 +8,6 @@ the packaged SmolLM2 GGUF with the default dtype and kernels.
 """
 from __future__ import annotations
 
-import json
 import signal
 import threading
 import time
@@ -17,11 +16,10 @@ from typing import Callable, NamedTuple
 
 import pytest
 
-from shared import keys
 from shared import metrics as names
-from tests.processes import default_worker, free_port, logs, make_client, start_api, stop, tiny_worker, wait_until
-from tests.test_metrics import scrape, value
-from tests.test_reliability import MODEL
+from tests.processes import (MODEL, default_worker, free_port, holding, logs, make_client, start_api, stop, tiny_worker,
+                             wait_until)
+from tests.prometheus_text import scrape, value
 from worker.faults import as_env
 from worker.model_loader import PACKAGED_NAME
 
@@ -72,16 +70,6 @@ class Stream:
                 self.text += chunk.choices[0].text
                 self.chunks += bool(chunk.choices[0].text)
                 self.finish = chunk.choices[0].finish_reason or self.finish
-
-
-def holding(client, model: str) -> dict[int, int]:
-    """pid -> how many jobs each live worker of `model` holds."""
-    held = {}
-    for worker_id in [i.decode() for i in client.hkeys(keys.WORKERS)]:
-        beat = client.get(keys.heartbeat(model, worker_id))
-        if beat:
-            held[json.loads(beat)["pid"]] = client.llen(keys.processing(model, worker_id))
-    return held
 
 
 def test_a_worker_killed_mid_stream_its_jobs_resume_on_the_other(pool, redis_alone, tmp_path):

@@ -13,8 +13,7 @@ import pytest
 
 from shared import keys
 from shared.protocol import WorkerInfo
-from tests.processes import default_worker, logs, make_client, start_api, stop, wait_until
-from tests.test_resume_processes import holding
+from tests.processes import default_worker, holding, logs, make_client, start_api, stop, wait_until
 from worker.model_loader import PACKAGED_NAME
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]

@@ -1,52 +1,11 @@
 """Who runs each step: each policy's order, the token budget, chunked prefill and preemption."""
 from __future__ import annotations
 
-import time
-from dataclasses import replace
-
 import pytest
 
-from shared.protocol import Job, SamplingParams
-from shared.settings import Settings
-from worker.continuous.block_manager import BlockManager
-from worker.continuous.config import EngineConfig
-from worker.continuous.request import Request, Status
-from worker.continuous.scheduler import FILL_ATTENTION, MIN_PROMPT_SHARE, PROMPT_TOKENS_PER_DECODE, Scheduler
-from worker.sequence import Sequence
-
-
-class NoTokenizer:
-    def decode(self, ids, skip_special_tokens=True):
-        return ""
-
-
-def request(prompt_len: int, max_tokens: int = 50) -> Request:
-    job = Job(id=f"r{time.monotonic_ns()}", model="m", prompt_ids=list(range(10, 10 + prompt_len)),
-              params=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
-              timeout_s=60)
-    return Request(Sequence(job, NoTokenizer(), frozenset()))
-
-
-def decoding(s: Scheduler, count: int, max_tokens: int = 50) -> list[Request]:
-    """`count` players whose 2-token prompts are computed: decoding from the next step on."""
-    players = [request(2, max_tokens) for _ in range(count)]
-    for p in players:
-        s.add(p)
-    run(s, s.schedule())
-    return players
-
-
-def run(s: Scheduler, plan):
-    """A step after schedule(), the model stood in for: token 1 for each request the plan brings to
-    its end. The bookkeeping is the scheduler's own, as the engine calls it (postprocess)."""
-    produced = [(req, 1, None) for req, count in plan if req.computed + count == len(req.tokens)]
-    return s.postprocess(plan, produced, elapsed_s=0.0)
-
-
-def scheduler(policy="fifo", blocks=100, budget=16, block_size=4, margin=0, prefill_chunk=0, step_fill=0):
-    config = replace(EngineConfig.from_settings(Settings()), max_batch_tokens=budget, scheduler=policy,
-                     prefill_chunk=prefill_chunk, step_fill=step_fill)
-    return Scheduler(BlockManager(blocks, block_size, prefix_caching=False), config, 64, margin)
+from tests.schedulers import decoding, request, run, scheduler
+from worker.continuous.request import Status
+from worker.continuous.scheduler import FILL_ATTENTION, MIN_PROMPT_SHARE, PROMPT_TOKENS_PER_DECODE
 
 
 def test_fifo_runs_decodes_then_ongoing_prefills_then_new_requests():

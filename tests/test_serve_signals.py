@@ -7,6 +7,9 @@ whole), a second one must stop at once, and serve.py killed outright must take i
 """
 from __future__ import annotations
 
+import http.client
+import io
+import json
 import os
 import signal
 import subprocess
@@ -14,10 +17,6 @@ import sys
 import threading
 import time
 import urllib.request
-
-import http.client
-import io
-import json
 
 import httpx2
 import openai
@@ -28,7 +27,7 @@ import redis
 from serve import free_port, port_is_free
 from shared import keys
 from tests.processes import ROOT, _env, make_client, models_served
-from tests.test_serve import Serve, assert_nothing_left, cmdline, tag, tagged  # noqa: F401 (tag: a fixture)
+from tests.serve_runs import Serve, assert_nothing_left, cmdline, tag, tagged  # noqa: F401 (tag: a fixture)
 from worker.faults import as_env
 
 pytestmark = pytest.mark.slow  # each starts the whole service: ~10-30 s on 2 cores

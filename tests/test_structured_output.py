@@ -18,9 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 import jsonschema
 import pytest
 
-from tests.processes import RedisServer, default_worker, make_client, start_api, stop, wait_until
-from tests.test_integration import MODEL, client, stack  # noqa: F401 (a real stack's fixtures, reused)
-from tests.test_resume_processes import holding
+from tests.live_stack import client, stack  # noqa: F401 (a real stack's fixtures, reused)
+from tests.processes import MODEL, RedisServer, default_worker, holding, make_client, start_api, stop, wait_until
 from worker.model_loader import PACKAGED_NAME
 
 pytestmark = pytest.mark.timeout(300)
@@ -98,7 +97,7 @@ def test_a_bad_schema_is_a_400_naming_it(client):
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, response_format={
             "type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "integer", "minimum": 3,
-                                                                          "maximum": 1}}})
+                                                                           "maximum": 1}}})
     assert caught.value.body["param"] == "response_format.json_schema.schema"
 
 
@@ -107,7 +106,7 @@ def test_a_bad_schema_is_a_400_naming_it(client):
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Today's weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
-                                                   "unit": {"enum": ["celsius", "fahrenheit"]}},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
                    "required": ["city", "unit"], "additionalProperties": False}}}
 GOLD = {"type": "function", "function": {
     "name": "give_gold", "description": "Hand the player gold",
