@@ -102,7 +102,8 @@ def main(argv=None) -> None:
                                transformers_model=settings.engine == "static", cache_dir=settings.cache_dir)
     engine, loaded = make_engine(settings, loaded)
     # What loading made lives as long as the worker: out of the collector's sight, so its passes
-    # over the young objects a step makes stay short (a lone player's step 5.70 -> 5.48 ms here).
+    # over the young objects a step makes stay short (measured: docs/serving.md, "Measurements
+    # behind the engine's choices").
     gc.collect()
     gc.freeze()
     files = model_loader.tokenizer_files(loaded.tokenizer)

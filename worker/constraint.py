@@ -32,8 +32,8 @@ log = logging.getLogger(__name__)
 
 CACHED_GRAMMARS = 256  # pristine matchers kept per worker (a game uses a handful of schemas)
 # Up to this many constrained rows, their masks are computed before the forward pass rather than
-# beside it: ~50 µs a row costs less than the thread's hand-off and the core it takes from the
-# forward pass's threads on a 2-core machine (one row: +0.2 ms a step inline, +0.3 ms beside).
+# beside it: a few rows' masks cost less than the thread's hand-off and the core it takes from the
+# forward pass's threads on a 2-core machine (measured: docs/serving.md).
 INLINE_ROWS = 4
 
 
@@ -106,10 +106,9 @@ class MaskFiller:
     """Computes the constrained rows' masks in the background while the step's forward pass runs
     (up to INLINE_ROWS of them at once, before it).
 
-    One thread, row after row (llguidance's fill_next_token_bitmask, Python's lock released): ~10-50
-    µs a row, done well inside a forward pass. Not llguidance's parallel executor: on 2 cores its
-    threads, still spinning after their work, took a core from the forward pass's own (measured at
-    64 constrained rows: forward 43 ms against 39 ms with one plain thread, 38 ms unconstrained).
+    One thread, row after row (llguidance's fill_next_token_bitmask, Python's lock released), done
+    well inside a forward pass. Not llguidance's parallel executor: on 2 cores its threads, still
+    spinning after their work, took a core from the forward pass's own (docs/serving.md).
     """
 
     def __init__(self):

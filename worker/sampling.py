@@ -20,12 +20,12 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
            kernel=None) -> list[int]:
     """logits: [rows, vocab]. Returns one token id per row. `kernel`: the continuous engine's C++
     module, whose `sample_rows` draws the rows that have a temperature and no top-k or top-p cut
-    (the same draw, without torch's [rows, vocab] temporaries: ~20 ms a step at 64 rows)."""
+    (the same draw, without torch's [rows, vocab] temporaries, a real share of a crowd's step)."""
     picks = [0] * len(params)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
-        # max().indices, not argmax(): the same token, but argmax over a 49k vocabulary at 64 rows
-        # took ~8-11 ms here against ~3 ms.
+        # max().indices, not argmax(): the same token, found faster over a large vocabulary
+        # (docs/serving.md).
         rows = logits if len(greedy) == len(params) else logits[greedy]
         for i, token in zip(greedy, rows.max(dim=-1).indices.tolist()):
             picks[i] = token
@@ -39,7 +39,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     if kernel is not None and hasattr(kernel, "sample_rows") and logits.device.type == "cpu" and plain:
         rows = [sampled[k] for k in plain]
         temperature = torch.tensor([params[i].temperature for i in rows])
-        every = len(rows) == logits.shape[0]  # all of them, in order: no copy ([64, 49152]: ~2 ms)
+        every = len(rows) == logits.shape[0]  # all of them, in order: no copy of the logits
         for i, token in zip(rows, kernel.sample_rows(logits if every else logits[rows], temperature,
                                                      uniform[plain]).tolist()):
             picks[i] = token

@@ -35,8 +35,9 @@ STOPPING_REDIS_WAIT_S = 30.0
 # right, since the guess is learnt from the jobs before.
 ADMIT_ROUNDS = 4
 # A busy worker asks Redis for new jobs and for its clients' cancellations at most this often, not
-# at every step: a lone player's steps take ~7 ms, and the two round trips cost ~10% of each (the
-# API, Redis and the worker share the cores). A newcomer or a cancellation waits this long at most.
+# at every step: a lone player's steps are short enough that two round trips are a real share of
+# each (the API, Redis and the worker share the cores; docs/serving.md). A newcomer or a
+# cancellation waits this long at most.
 BUSY_POLL_S = 0.02
 
 

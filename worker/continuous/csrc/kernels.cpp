@@ -1,11 +1,12 @@
-// The engine's CPU kernels, one extension module: decode attention over the paged cache, and a
-// whole Llama decode step in C++.
+// The engine's CPU kernels, one extension module: it includes every header (decode attention over
+// the paged cache, the linear layers' products, sampling and grammar masks), binds what this CPU
+// can run (kernels.py says which is which), and holds the Llama decoder, a whole step in C++.
 //
 // Why a whole step: at one row a step of SmolLM2 is ~600 small torch operations (norms, rotary,
 // cache writes, residual adds, SiLU), and their dispatch from Python cost more than the matrix
-// products themselves (profiled: 4.8 of 11.5 ms). Here every layer is four matrix products (the
-// same torch kernels the Python path calls: int4 for few rows, oneDNN-packed bf16 for many) and
-// a handful of loops that do the elementwise work in one pass each, with the GIL released.
+// products themselves (profiled: docs/serving.md, "Measurements behind the engine's choices").
+// Here every layer is its matrix products (the kernels linear.py picked for it) and a handful of
+// loops that do the elementwise work in one pass each, with the GIL released.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <pybind11/stl.h>
 
