@@ -32,6 +32,7 @@ import redis
 
 from serve import free_port, wait_for_redis, wait_until_served
 from shared import keys
+from shared.lifetime import dies_with_parent
 
 LOG_TAIL_LINES = 30
 STOP_TIMEOUT_S = 60
@@ -62,7 +63,15 @@ def redis_server(port: int, log, data_dir: Optional[Path] = None) -> subprocess.
     keep = (["--dir", str(data_dir), "--appendonly", "yes", "--appendfsync", "always"] if data_dir
             else ["--appendonly", "no"])
     return subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", *keep],
-                            stdout=log, stderr=subprocess.STDOUT)
+                            stdout=log, stderr=subprocess.STDOUT, preexec_fn=_dies_with_bench())
+
+
+def _dies_with_bench():
+    """A process started from the bench's main thread dies with the bench, also when the bench is
+    killed (SIGTERM, SIGKILL, a `timeout`) and no `finally` runs: no stack is left holding the
+    cores for the next measurement. Linux signals the child when the thread that forked it ends,
+    so one started from another thread (the soak's faults) is left to close()."""
+    return dies_with_parent() if threading.current_thread() is threading.main_thread() else None
 
 
 def stop(process: Optional[subprocess.Popen], timeout: float = STOP_TIMEOUT_S) -> Optional[int]:
@@ -173,7 +182,8 @@ class Stack:
 
     def _spawn(self, command: list[str], name: str, env: Optional[dict] = None, cwd=None) -> subprocess.Popen:
         with self._log(name) as log:
-            return subprocess.Popen(command, env=env or self.env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd)
+            return subprocess.Popen(command, env=env or self.env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd,
+                                    preexec_fn=_dies_with_bench())
 
     def client(self) -> redis.Redis:
         return redis.Redis.from_url(self.redis_url, socket_connect_timeout=2, socket_timeout=5)
