@@ -97,14 +97,15 @@ def retry_after(exc: Exception):
         return None
 
 
-def tell(client: openai.OpenAI, args, player: str, messages: list, narrator: Narrator, played: Played) -> str:
+def tell(client: openai.OpenAI, args, player: str, messages: list, narrator: Narrator, played: Played,
+         seed=None) -> str:
     """One turn: stream the storyteller's answer to `player`, retrying while nothing was shown yet."""
     for attempt in range(args.retries + 1):
         began, shown = time.monotonic(), []
         try:
             stream = client.chat.completions.create(
                 model=args.model, messages=messages, max_tokens=args.max_tokens, stream=True,
-                stream_options={"include_usage": True}, seed=args.seed, extra_body={"priority": args.priority})
+                stream_options={"include_usage": True}, seed=seed, extra_body={"priority": args.priority})
             tokens = None
             for chunk in stream:
                 if chunk.usage is not None:  # the last chunk, asked for by include_usage
@@ -134,14 +135,18 @@ def tell(client: openai.OpenAI, args, player: str, messages: list, narrator: Nar
     raise AssertionError("unreachable")
 
 
-def play(client: openai.OpenAI, args, player: str, narrator: Narrator) -> Played:
+def play(client: openai.OpenAI, args, player: str, narrator: Narrator, number: int = 0) -> Played:
+    """`player`'s turns, one story each. With --seed, the player's stories are drawn from seeds of
+    their own (the seed plus their number and turn), so two players asking alike are told apart."""
     played = Played(player)
     messages = [{"role": "system", "content": WORLD}]
     actions = random.Random(player).sample(ACTIONS, len(ACTIONS))
     try:
         for turn in range(args.turns):
             messages.append({"role": "user", "content": actions[turn % len(actions)]})
-            messages.append({"role": "assistant", "content": tell(client, args, player, messages, narrator, played)})
+            seed = None if args.seed is None else args.seed + 1000 * number + turn
+            story = tell(client, args, player, messages, narrator, played, seed)
+            messages.append({"role": "assistant", "content": story})
     except openai.APIError as exc:  # also an error the server sent in the middle of a stream
         played.failure = explain(exc, args.url)
         narrator.log(player, f"the story broke off: {played.failure}")
@@ -170,7 +175,8 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=60, help="seconds a request may take, at most")
     parser.add_argument("--retries", type=int, default=5, help="tries again on 429/503/no answer")
     parser.add_argument("--seed", type=int, default=None,
-                        help="every request's seed: the same players, turns and seed tell the same stories "
+                        help="reproducible stories: each player's turns are drawn from seeds of their own, "
+                             "from this one; the same players, turns and seed tell the same stories "
                              "(default: a fresh draw each time)")
     args = parser.parse_args(argv)
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY") or "unused"
@@ -189,7 +195,8 @@ def main(argv=None) -> int:
     names = [PLAYERS[i % len(PLAYERS)] + (str(i // len(PLAYERS) + 1) if i >= len(PLAYERS) else "")
              for i in range(args.players)]
     with ThreadPoolExecutor(args.players) as pool:
-        results = list(pool.map(lambda name: play(client, args, name, narrator), names))
+        results = list(pool.map(lambda number: play(client, args, names[number], narrator, number),
+                                range(len(names))))
     firsts = [t for r in results for t in r.first_text_s]
     failed = [r for r in results if r.failure]
     # No timing when no text ever came: a median of nothing says nothing.

@@ -81,6 +81,24 @@ def test_eight_players_read_as_a_log_one_line_per_story(stack):
                         r"0 retries, 0 players failed", lines[-1]), lines[-1]
 
 
+def test_a_seed_tells_the_same_stories_again_in_a_smaller_crowd(stack):
+    """--seed: each player's stories come from seeds of their own, so the same player tells the same
+    story whoever else plays (the service writes a request's text whatever shares its step)."""
+    open_port, _ = stack
+
+    def stories(players: str) -> dict:
+        ran = client("--url", url(open_port), "--players", players, "--turns", "1", "--max-tokens", "12",
+                     "--seed", "7", key=KEY)
+        assert ran.returncode == 0, ran.stdout + ran.stderr
+        # "[Name] story 1: N tokens in T s: first words": the player, the count and the words
+        return {m[1]: (m[2], m[3]) for m in re.finditer(r"\[(\w+)\] +story 1: (\d+) tokens in [\d.]+ s: (.*)",
+                                                          ran.stdout)}
+
+    crowd, few = stories("8"), stories("3")
+    assert len(crowd) == 8 and len(few) == 3
+    assert few == {name: crowd[name] for name in few}
+
+
 @pytest.mark.parametrize("model", [None, MODEL], ids=["model-asked", "model-given"])
 def test_a_wrong_key_is_one_line_not_a_traceback(stack, model):
     open_port, _ = stack
