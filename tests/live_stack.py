@@ -17,6 +17,8 @@ from tests.processes import MODEL, make_client, models_served, start_api, stop, 
 
 
 class Stack:
+    """The shared stack's processes, its API's port and a client of its Redis."""
+
     def __init__(self, redis_server, port, worker, api):
         self.redis_server, self.port, self.worker, self.api = redis_server, port, worker, api
         self.redis = redis_server.client()
@@ -59,4 +61,5 @@ def stream_text(stream, chat: bool) -> tuple[str, list]:
 
 
 def finish_reasons(chunks) -> list:
+    """Every finish_reason a stream's chunks carried, in order (one per choice that ended)."""
     return [ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason]

@@ -177,6 +177,7 @@ def make_client(port: int, api_key: str = "none") -> openai.OpenAI:
 
 
 def live_worker_ids(client) -> list[str]:
+    """Ids of the registered workers of the tiny Llama (MODEL) whose heartbeat is alive."""
     ids = [i.decode() for i in client.hkeys(keys.WORKERS)]
     return [i for i in ids if client.exists(keys.heartbeat(MODEL, i))]
 
