@@ -8,12 +8,9 @@ import these fixtures. Tests that stop or kill things start processes of their o
 """
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from shared import keys
-from tests.processes import MODEL, make_client, models_served, start_api, stop, tiny_worker, wait_until
+from tests.processes import MODEL, live_worker_ids, make_client, models_served, start_api, stop, tiny_worker, wait_until
 
 
 class Stack:
@@ -25,9 +22,7 @@ class Stack:
 
     def worker_ids(self, model: str = MODEL) -> list[str]:
         """Ids of the live workers of `model`, as their heartbeats announce them."""
-        ids = [i.decode() for i in self.redis.hkeys(keys.WORKERS)]
-        beats = self.redis.mget([keys.heartbeat(model, i) for i in ids]) if ids else []
-        return [i for i, beat in zip(ids, beats) if beat and json.loads(beat)["model"] == model]
+        return live_worker_ids(self.redis, model)
 
 
 @pytest.fixture(scope="module")

@@ -176,10 +176,11 @@ def make_client(port: int, api_key: str = "none") -> openai.OpenAI:
     return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=api_key, max_retries=0, timeout=60)
 
 
-def live_worker_ids(client) -> list[str]:
-    """Ids of the registered workers of the tiny Llama (MODEL) whose heartbeat is alive."""
+def live_worker_ids(client, model: str = MODEL) -> list[str]:
+    """Ids of the registered workers of `model` whose heartbeat is alive."""
     ids = [i.decode() for i in client.hkeys(keys.WORKERS)]
-    return [i for i in ids if client.exists(keys.heartbeat(MODEL, i))]
+    beats = client.mget([keys.heartbeat(model, i) for i in ids]) if ids else []
+    return [i for i, beat in zip(ids, beats) if beat is not None]
 
 
 class Paused:
