@@ -65,10 +65,11 @@ class Settings:
                                                           "requests to (serve.sh sets its own)")
 
     # The worker
-    model: str = _setting("smollm2", "'smollm2' (the packaged SmolLM2-135M-Instruct) or a local "
-                                     "Hugging Face causal-LM directory")
+    model: str = _setting("smollm2", "'smollm2' (the packaged SmolLM2-135M-Instruct), a GGUF file (or "
+                                     "a directory holding one), or a local Hugging Face causal-LM "
+                                     "directory of safetensors")
     model_name: str = _setting("", "name clients use for the model, one per worker (empty: from "
-                                   "--model)")
+                                   "--model: a GGUF file's stem, a directory's name)")
     engine: str = _setting("continuous", "continuous (step-level batching on a paged KV cache) | "
                                          "static (the seed's padded batches, on transformers' classes)")
     batch: int = _setting(0, "most requests decoded together (0: continuous: as many as the KV "
@@ -82,7 +83,8 @@ class Settings:
     block_size: int = _setting(16, "tokens per block of the paged KV cache")
     kv_blocks: int = _setting(0, "blocks in the KV cache (0: as many as --kv-memory holds)")
     kv_memory: int = _setting(1024, "MiB of memory for the KV cache, when --kv-blocks is 0 (pages are "
-                                    "touched only when used)")
+                                    "touched only when used; a token costs 2 x layers x KV heads x "
+                                    "head_dim x 2 bytes in bf16: docs/serving.md)")
     max_batch_tokens: int = _setting(512, "tokens computed per step at most: decodes plus prefill "
                                           "chunks (a longer prompt is prefilled in chunks)")
     prefill_chunk: int = _setting(256, "most prompt tokens computed per step while others are "
