@@ -58,7 +58,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<torch::Tensor, bool, int64_t, bool, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
                     c10::optional<torch::Tensor>, int64_t>(),
            py::arg("weight"), py::arg("onednn"), py::arg("path"), py::arg("q4_1"), py::arg("a"), py::arg("b"),
-           py::arg("c"), py::arg("small_rows"));
+           py::arg("c"), py::arg("small_rows"))
+      .def("__call__", &Linear::operator(), "the layer's product, as the decoder runs it (tests)",
+           py::call_guard<py::gil_scoped_release>());
   m.def("quantized_linear", &quantized_linear, "x @ w.T for a Q4_1 (uint8) or Q8_0 (int8) weight (CPU)",
         py::call_guard<py::gil_scoped_release>());
 #ifdef STORYTELLER_PANELS
