@@ -124,9 +124,10 @@ class Decoder:
         def norm(t):
             return None if t is None else (t.float() + self.norm_offset).to(device=device, dtype=dtype)
 
-        def linear(parts, bias=None):
+        def linear(parts, bias=None):  # one part as it is: fuse() would make a Q8_0 matrix dense
             bias = None if bias is None else torch.cat([b.float() for b in bias])
-            return Linear(fuse(parts), bias, dtype, device, int4_rows, kernel, small=small)
+            weight = parts[0] if len(parts) == 1 else fuse(parts)
+            return Linear(weight, bias, dtype, device, int4_rows, kernel, small=small)
 
         self.embed = dense_float(tensors["model.embed_tokens.weight"]).to(device=device, dtype=dtype)
         scale = self.embedding_scale(config)  # rounded to the model's dtype first, as transformers does
