@@ -13,11 +13,13 @@ from worker.continuous.attention import KVCache, StepLayout
 KV_HEADS, HEADS, DIM, BLOCKS, SIZE = 2, 6, 16, 40, 4
 
 
-def reference(q, cache, tables, lengths, scale):
-    """Each row on its own: its tokens' keys and values in order, softmax, weighted sum."""
+def reference(q, cache, tables, lengths, scale, window=0):
+    """Each row on its own: its tokens' keys and values in order (its last `window`, if > 0),
+    softmax, weighted sum."""
     out = []
     for row, length in enumerate(lengths.tolist()):
-        slots = [tables[row, t // SIZE] * SIZE + t % SIZE for t in range(length)]
+        first = max(0, length - window) if window else 0
+        slots = [tables[row, t // SIZE] * SIZE + t % SIZE for t in range(first, length)]
         k = cache.k[0].flatten(1, 2)[:, slots].float().repeat_interleave(HEADS // KV_HEADS, 0)
         v = cache.v[0].flatten(1, 2)[:, slots].float().repeat_interleave(HEADS // KV_HEADS, 0)
         weights = torch.softmax((q[row].float()[:, None, :] * k).sum(-1) * scale, dim=-1)
@@ -74,6 +76,59 @@ def test_padding_past_a_rows_length_is_never_read(kernel):
         step.kernel = kernel if use_kernel else None
         out = attention.attend(q, cache, 0, step, scale=0.25)
         assert torch.allclose(out, expected, atol=1e-5), f"kernel={use_kernel}"
+
+
+def _windowed_step(dtype, seed=3):
+    """Decodes shorter and longer than the window, and a prompt chunk's rows (consecutive positions
+    through one table: the kernel's tiles) whose first rows fit in the window and later ones not."""
+    q, cache, step = make_step(dtype, rows=1, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [3, 23, 7, 1] + list(range(2, 16))
+    width = -(-max(lengths) // SIZE)
+    own = [torch.randperm(BLOCKS, generator=gen)[:width] for _ in range(5)]
+    tables = torch.stack(own[:4] + [own[4]] * 14)
+    q = torch.randn(len(lengths), HEADS, DIM, generator=gen).to(dtype)
+    return q, cache, tables, torch.tensor(lengths)
+
+
+@pytest.mark.parametrize("window", [1, 5, 8, 64])
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_kernel_with_a_sliding_window_matches_plain_softmax(kernel, window, dtype, tolerance):
+    q, cache, tables, lengths = _windowed_step(dtype)
+    out = kernel.paged_decode(q, cache.k[0], cache.v[0], tables, lengths, 0.25, window)
+    expected = reference(q, cache, tables, lengths, 0.25, window)
+    assert torch.allclose(out.float(), expected, atol=tolerance)
+    # a window as long as every row's context is no window
+    if window == 64:
+        assert torch.equal(out, kernel.paged_decode(q, cache.k[0], cache.v[0], tables, lengths, 0.25))
+
+
+def test_blocks_before_a_rows_window_are_never_read(kernel):
+    """A sliding-window layer may free a request's blocks behind the window: their table entries then
+    name another request's block (here: one full of NaN), and nothing of it may leak in."""
+    q, cache, tables, lengths = _windowed_step(torch.float32)
+    window = 5
+    expected = reference(q, cache, tables, lengths, 0.25, window)
+    poisoned = next(b for b in range(BLOCKS) if not (tables == b).any())  # no row's own
+    cache.k[0, :, poisoned] = float("nan")
+    cache.v[0, :, poisoned] = float("nan")
+    tables = tables.clone()
+    for row, length in enumerate(lengths.tolist()):
+        for b in range(max(0, length - window) // SIZE):  # blocks wholly behind the window
+            tables[row, b] = poisoned
+    assert (tables == poisoned).any()
+    out = kernel.paged_decode(q, cache.k[0], cache.v[0], tables, lengths, 0.25, window)
+    assert torch.allclose(out, expected, atol=1e-5)
+
+
+def test_a_windowed_rows_bits_are_the_same_alone_and_in_a_tile(kernel):
+    """A prompt row attends the same whether its chunk's rows share a pass over the blocks or not."""
+    q, cache, tables, lengths = _windowed_step(torch.bfloat16)
+    together = kernel.paged_decode(q, cache.k[0], cache.v[0], tables, lengths, 0.25, 5)
+    for row in range(len(lengths)):
+        alone = kernel.paged_decode(q[row:row + 1].contiguous(), cache.k[0], cache.v[0], tables[row:row + 1].contiguous(),
+                                    lengths[row:row + 1].contiguous(), 0.25, 5)
+        assert torch.equal(alone[0], together[row]), row
 
 
 def test_a_build_lock_left_by_a_killed_build_is_cleared_a_live_one_is_not(tmp_path):

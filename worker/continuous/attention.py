@@ -14,6 +14,11 @@ row's context is padded to the longest in the batch with its own first block (re
 uninitialised memory) and masked off. Prefill chunks (a few per
 step at most) each go through torch's fused attention with a causal mask offset by what the
 request had computed before the chunk.
+
+A sliding-window layer (Mistral's, Gemma 3's local ones) attends to the last `window` positions
+only, its own included, as transformers' sliding mask does: the decodes' keys before that are
+masked off (the C++ kernel skips them), a chunk's context starts where its first query's window
+does.
 """
 from __future__ import annotations
 
@@ -46,6 +51,20 @@ class Chunk:
     end: int
     context: torch.Tensor  # slots of every token up to the chunk's last, in order
     mask: torch.Tensor  # [end - start, len(context)] True where a query may look
+    first: int = 0  # the position of the chunk's first query
+    windowed: dict = field(default_factory=dict)  # window -> (context, mask) of a sliding layer, made once
+
+    def window(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The context and mask of a layer that attends to the last `window` positions (0: all)."""
+        start = max(0, self.first - window + 1)  # the first key any query of the chunk sees
+        if not window or start == 0 and self.first + (self.end - self.start) <= window:
+            return self.context, self.mask
+        if window not in self.windowed:
+            queries = self.first + torch.arange(self.end - self.start, device=self.mask.device)
+            keys = torch.arange(start, self.context.shape[0], device=self.mask.device)
+            mask = self.mask[:, start:] & (keys[None, :] > queries[:, None] - window)
+            self.windowed[window] = (self.context[start:], mask)
+        return self.windowed[window]
 
 
 @dataclass
@@ -65,19 +84,26 @@ def write(cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor, slots: t
     cache.v[layer].flatten(1, 2).index_copy_(1, slots, v.transpose(0, 1))
 
 
-def attend(q: torch.Tensor, cache: KVCache, layer: int, step: StepLayout, scale: float) -> torch.Tensor:
-    """q: [tokens, heads, head_dim], after this step's K and V were written. Returns the same shape."""
+def attend(q: torch.Tensor, cache: KVCache, layer: int, step: StepLayout, scale: float,
+           window: int = 0) -> torch.Tensor:
+    """q: [tokens, heads, head_dim], after this step's K and V were written; `window`: positions
+    each query attends to, its own included (0: all before it). Returns the same shape."""
     k, v = cache.k[layer], cache.v[layer]
-    parts = [_decode(q[:step.decodes], k, v, step, scale)] if step.decodes else []
-    parts += [_prefill(q[c.start:c.end], k, v, c, scale) for c in step.chunks]
+    parts = [_decode(q[:step.decodes], k, v, step, scale, window)] if step.decodes else []
+    parts += [_prefill(q[c.start:c.end], k, v, c, scale, window) for c in step.chunks]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _decode(q, k_cache, v_cache, step: StepLayout, scale: float) -> torch.Tensor:
-    if step.kernel is not None:
+def kernel_windows(kernel) -> bool:
+    """Whether the C++ paged_decode takes a window (it came with the general Decoder)."""
+    return hasattr(kernel, "Decoder")
+
+
+def _decode(q, k_cache, v_cache, step: StepLayout, scale: float, window: int = 0) -> torch.Tensor:
+    if step.kernel is not None and (not window or kernel_windows(step.kernel)):
         with torch.profiler.record_function("paged_decode (C++)"):  # seen in profiles by name
-            return step.kernel.paged_decode(q.contiguous(), k_cache, v_cache, step.decode_tables,
-                                            step.decode_lengths, scale)
+            args = (q.contiguous(), k_cache, v_cache, step.decode_tables, step.decode_lengths, scale)
+            return step.kernel.paged_decode(*args, *((window,) if window else ()))
     rows, heads, dim = q.shape
     kv_heads = k_cache.shape[0]
     group = heads // kv_heads
@@ -91,6 +117,8 @@ def _decode(q, k_cache, v_cache, step: StepLayout, scale: float) -> torch.Tensor
         q, k, v = q.float(), k.float(), v.float()
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [kv_heads, rows, group, longest]
     padded = torch.arange(longest, device=q.device)[None, :] >= step.decode_lengths[:, None]
+    if window:  # and the keys before each row's window
+        padded |= torch.arange(longest, device=q.device)[None, :] < (step.decode_lengths - window)[:, None]
     scores.masked_fill_(padded[None, :, None, :], float("-inf"))
     v = v.masked_fill(padded[None, :, :, None], 0)  # a weight of 0 times a stale NaN is still NaN
     weights = torch.softmax(scores, dim=-1).to(v.dtype)
@@ -98,9 +126,10 @@ def _decode(q, k_cache, v_cache, step: StepLayout, scale: float) -> torch.Tensor
     return out.transpose(0, 1).reshape(rows, heads, dim)
 
 
-def _prefill(q, k_cache, v_cache, chunk: Chunk, scale: float) -> torch.Tensor:
-    k = k_cache.flatten(1, 2).index_select(1, chunk.context)  # [kv_heads, context, dim]
-    v = v_cache.flatten(1, 2).index_select(1, chunk.context)
+def _prefill(q, k_cache, v_cache, chunk: Chunk, scale: float, window: int = 0) -> torch.Tensor:
+    context, mask = chunk.window(window)
+    k = k_cache.flatten(1, 2).index_select(1, context)  # [kv_heads, context, dim]
+    v = v_cache.flatten(1, 2).index_select(1, context)
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None],
-                                         attn_mask=chunk.mask, scale=scale, enable_gqa=True)
+                                         attn_mask=mask, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)

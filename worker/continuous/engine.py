@@ -170,6 +170,12 @@ def build(loaded: LoadedModel, settings: Settings, tensors: dict, model_config):
     kernel = kernels.build(os.path.join(config.cache_dir, "kernels")) if cpu and config.cache_dir else None
     linear.check_small_kernel(config.small_kernel, kernel)
     model = models.build(model_config, tensors, loaded.dtype, loaded.device, config, kernel)
+    for note in getattr(model, "notes", ()):  # how this model's attention runs here (sliding windows, longrope)
+        log.info("%s", note)
+    context = getattr(model, "context", loaded.context_window)  # the positions its rotary tables cover
+    if context < loaded.context_window:  # the worker advertises this one (WorkerInfo.context_window)
+        log.info("context window: %d tokens (the model's config says %d)", context, loaded.context_window)
+        loaded.context_window = context
     engine = ContinuousEngine(loaded, model, config, kernel)
     engine.numerics = numerics(model, loaded, kernel)
     log.info("numerics: %s", engine.numerics)

@@ -121,14 +121,13 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
     def for_kernel(self):
-        """This layer as the C++ decoder holds it (sharing these tensors, not copying them)."""
-        small = {"int4": (1, self.packed, self.scales_zeros, None),
-                 "bytes": (2, self.q, self.d, self.m),
-                 "int8-avx2": (3 if self.q4_1 else 4, self.packed, None, None),
-                 "int8-vnni-panels": (5 if self.q4_1 else 6, self.packed, None, None),
-                 "dense-panels": (7, self.packed, None, None)}.get(self.small, (0, None, None, None))
+        """This layer as the C++ decoder holds it (sharing these tensors, not copying them). Its path
+        goes by the code the C++ table gives its name (csrc/linear.h: the module's PATHS)."""
+        a, b, c = {"int4": (self.packed, self.scales_zeros, None),
+                   "bytes": (self.q, self.d, self.m)}.get(self.small, (self.packed, None, None))
         weight = self.weight if self.weight is not None else torch.empty(0)
-        return self.kernel.Linear(weight, self.onednn, small[0], *small[1:], self.small_rows)
+        return self.kernel.Linear(weight, self.onednn, self.kernel.PATHS[self.small or "dense"], self.q4_1,
+                                  a, b, c, self.small_rows)
 
 
 def _dense_panels_take(kernel, dtype, shape) -> bool:

@@ -108,7 +108,7 @@ class ModelRunner:
             # Query i of the chunk sits at position (known - (end - start) + i) and sees keys up to it.
             query_pos = torch.arange(known - (end - start), known, device=dev)
             mask = torch.arange(known, device=dev)[None, :] <= query_pos[:, None]
-            step.chunks.append(Chunk(start, end, context, mask))
+            step.chunks.append(Chunk(start, end, context, mask, first=known - (end - start)))
         return (torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), step,
                 torch.tensor(last_rows, device=dev), sampled)
 

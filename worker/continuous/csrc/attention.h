@@ -110,17 +110,29 @@ static inline void prefetch_next(const T* cache, const int64_t* table, int64_t s
   for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(next + at, _MM_HINT_T0);
 }
 
+// The first position a row attends to: with a sliding window of `window` positions (0: none) the
+// row at position p = length - 1 sees p - window + 1 .. p, its own included.
+static inline int64_t window_start(int64_t length, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, length - window) : 0;
+}
+
 // `rows` rows of one request at consecutive positions (lengths[0], lengths[0] + 1, ...) and one KV
-// head: the query heads that share it, block by block through the request's table.
+// head: the query heads that share it, block by block through the request's table. A row's scores
+// are kept from its own first position on (window_start), so that they start on a 64-byte line
+// whatever the tile's other rows see; blocks wholly before the tile's first row's window are never
+// read (a sliding-window layer may have freed them: their table entries mean nothing).
 template <typename T, int64_t DIM>
 static void attend_tile(const T* q, int64_t q_stride, const T* k, const T* v, const int64_t* table,
                         const int64_t* lengths, int64_t rows, T* out, int64_t out_stride, int64_t group,
                         int64_t kv, int64_t blocks, int64_t block_size, int64_t dim_at_run_time, float scale,
-                        DecodeBuffers& buf) {
+                        int64_t window, DecodeBuffers& buf) {
   const int64_t dim = DIM > 0 ? DIM : dim_at_run_time, width = group * dim;
   // A row's scores: group x stride floats, the stride a whole number of 64-byte lines, so that every
   // row's scores start on one (rowwise.h: where a buffer starts can change a vectorised sum).
-  const int64_t longest = lengths[rows - 1], stride = (longest + 15) / 16 * 16;
+  const int64_t longest = lengths[rows - 1];
+  int64_t widest = 0;
+  for (int64_t r = 0; r < rows; ++r) widest = std::max(widest, lengths[r] - window_start(lengths[r], window));
+  const int64_t stride = (widest + 15) / 16 * 16;
   buf.query.resize(rows * width);
   buf.acc.assign(rows * width, 0.f);
   buf.total.resize(rows * group);
@@ -130,25 +142,32 @@ static void attend_tile(const T* q, int64_t q_stride, const T* k, const T* v, co
     to_float(q + r * q_stride, buf.query.data() + r * width, width);
     for (int64_t i = 0; i < width; ++i) buf.query[r * width + i] *= scale;
   }
-  // Each block of keys (then values), in order, turned to floats once for every row of the tile.
+  // Each block of keys (then values), in order, turned to floats once for every row of the tile;
+  // each row takes the part of it inside its window: positions [from, from + n), `from` absolute.
+  // (Lengths grow along the tile, and so do the windows' starts: the first row's starts first.)
+  const int64_t first = window_start(lengths[0], window) / block_size * block_size;
   const auto blockwise = [&](const T* cache, const auto& each_row) {
-    for (int64_t start = 0; start < longest; start += block_size) {
+    for (int64_t start = first; start < longest; start += block_size) {
       prefetch_next(cache, table, start, longest, kv, blocks, block_size, dim);
       to_float(cache + (kv * blocks + table[start / block_size]) * block_size * dim, buf.block_f.data(),
                std::min(block_size, longest - start) * dim);
-      for (int64_t r = 0; r < rows; ++r)
-        if (lengths[r] > start) each_row(r, start, std::min(block_size, lengths[r] - start));
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t from = std::max(start, window_start(lengths[r], window));
+        const int64_t to = std::min(start + block_size, lengths[r]);
+        if (from < to) each_row(r, from, to - from);
+      }
     }
   };
-  blockwise(k, [&](int64_t r, int64_t start, int64_t n) {
-    block_scores<DIM>(buf.query.data() + r * width, buf.block_f.data(), n, group, dim,
-                      buf.scores.data() + r * group * stride + start, stride);
+  const auto scores_of = [&](int64_t r) { return buf.scores.data() + r * group * stride; };
+  blockwise(k, [&](int64_t r, int64_t from, int64_t n) {
+    block_scores<DIM>(buf.query.data() + r * width, buf.block_f.data() + (from % block_size) * dim, n, group, dim,
+                      scores_of(r) + from - window_start(lengths[r], window), stride);
   });
   for (int64_t r = 0; r < rows; ++r)
-    softmax(buf.scores.data() + r * group * stride, lengths[r], group, stride, buf.total.data() + r * group);
-  blockwise(v, [&](int64_t r, int64_t start, int64_t n) {
-    block_values<DIM>(buf.scores.data() + r * group * stride + start, buf.block_f.data(), n, group, dim,
-                      buf.acc.data() + r * width, stride);
+    softmax(scores_of(r), lengths[r] - window_start(lengths[r], window), group, stride, buf.total.data() + r * group);
+  blockwise(v, [&](int64_t r, int64_t from, int64_t n) {
+    block_values<DIM>(scores_of(r) + from - window_start(lengths[r], window), buf.block_f.data() + (from % block_size) * dim,
+                      n, group, dim, buf.acc.data() + r * width, stride);
   });
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t g = 0; g < group; ++g) {
@@ -159,13 +178,15 @@ static void attend_tile(const T* q, int64_t q_stride, const T* k, const T* v, co
 }
 
 // q: rows of `heads * dim`, `q_stride` elements apart (the queries may sit inside a fused QKV
-// row); out: [rows, heads, dim]. The cache: [kv_heads, blocks, block_size, dim].
+// row); out: [rows, heads, dim]. The cache: [kv_heads, blocks, block_size, dim]. `window` > 0: each
+// row attends to its last `window` positions only (a sliding-window layer), 0: to all of them.
 // DIM > 0 fixes the head size at compile time (the inner loops then unroll into a few vector
 // instructions); DIM == 0 takes it at run time.
 template <typename T, int64_t DIM>
 void decode(const T* q, int64_t q_stride, const T* k, const T* v, const int64_t* tables,
             const int64_t* lengths, T* out, int64_t rows, int64_t heads, int64_t kv_heads,
-            int64_t blocks, int64_t block_size, int64_t dim_at_run_time, int64_t width, float scale) {
+            int64_t blocks, int64_t block_size, int64_t dim_at_run_time, int64_t width, float scale,
+            int64_t window) {
   const int64_t dim = DIM > 0 ? DIM : dim_at_run_time;
   const int64_t group = heads / kv_heads;
   // Tiles: runs of rows with the same blocks at consecutive positions (a prompt chunk's), the rest alone.
@@ -189,7 +210,7 @@ void decode(const T* q, int64_t q_stride, const T* k, const T* v, const int64_t*
       const int64_t kv = item % kv_heads;
       attend_tile<T, DIM>(q + row * q_stride + kv * group * dim, q_stride, k, v, tables + row * width, lengths + row,
                           n, out + (row * heads + kv * group) * dim, heads * dim, group, kv, blocks, block_size,
-                          dim, scale, buf);
+                          dim, scale, window, buf);
     }
   });
 }

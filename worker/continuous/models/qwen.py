@@ -1,0 +1,33 @@
+"""Qwen 2 / 2.5 (biases on q, k and v) and Qwen 3 (RMS norms of q and k per head, before the
+rotation; a head_dim of its own, wider than hidden / heads in some sizes): Llama's layer names.
+Sliding layers, where a config turns them on, come from its layer_types (Decoder.window)."""
+from __future__ import annotations
+
+from typing import Optional
+
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+from worker.continuous.models.decoder import Decoder
+from worker.continuous.models.llama import llama_layer
+
+
+class Qwen2(Decoder):
+    rotary = Qwen2RotaryEmbedding
+
+    def layer(self, tensors: dict, p: str) -> dict:
+        return dict(llama_layer(tensors, p), qkv_bias=[tensors[p + f"self_attn.{x}_proj.bias"] for x in "qkv"])
+
+
+class Qwen3(Decoder):
+    rotary = Qwen3RotaryEmbedding
+
+    @classmethod
+    def unsupported(cls, config) -> Optional[str]:
+        if getattr(config, "attention_bias", False):  # on o_proj too: the C++ decoder has none there
+            return "biases in attention"
+        return super().unsupported(config)
+
+    def layer(self, tensors: dict, p: str) -> dict:
+        return dict(llama_layer(tensors, p), q_norm=tensors[p + "self_attn.q_norm.weight"],
+                    k_norm=tensors[p + "self_attn.k_norm.weight"])
