@@ -77,7 +77,13 @@ def read_gguf(path: str):
     blob, metadata, entries = _read_header(path)
     architecture = metadata["general.architecture"]
     config_tensors = {e.name: _decode(blob, e, path).numpy() for e in entries if e.name in CONFIG_TENSORS}
-    config = build_config(path, metadata, tuple(e.name for e in entries), config_tensors)
+    try:
+        config = build_config(path, metadata, tuple(e.name for e in entries), config_tensors)
+    except UnsupportedGGUF:
+        raise
+    except (KeyError, TypeError, ValueError) as exc:  # a key missing, or of the wrong kind
+        raise UnsupportedGGUF(f"{path}: its metadata does not describe a {architecture} model "
+                              f"({type(exc).__name__}: {exc})") from exc
 
     permuted = architecture == "llama"  # the only family LlamaModel.undo_permute applies to
     q_rows = _unpermute_rope_rows(config.num_attention_heads, config.head_dim) if permuted else None
