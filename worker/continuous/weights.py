@@ -1,18 +1,12 @@
-"""Read a llama-architecture GGUF file into Hugging Face-named tensors, keeping Q4_1 weights quantized.
+"""The quantized forms the engine keeps a GGUF file's weights in (Q41, Q80), their packings for the
+kernels, and the decoding of one tensor's bytes (gguf_reader.py reads the file and names them).
 
-transformers can load the packaged SmolLM2 GGUF itself, but it dequantizes every block through numpy,
-slowly, and throws the 4-bit form away. This module reads the same file in a fraction of a
-second and hands the Q4_1 and Q8_0 matrices over still quantized, so the model can run small steps
-on the file's own blocks (linear.py). The few transforms the models make before their layers take
-the weights live here too: projections stacked into one matrix (`fuse`), a weight made float
-(`dense_float`), a float head rounded to Q4_1 for --int4-head (`quantize_q4_1`).
-
-The header is parsed with transformers' own GGUF reader, which skips over the 98k tokenizer strings
-instead of building a numpy view per string the way `gguf.GGUFReader` does (most of its time). The
-config is built from the metadata with the same key mapping transformers' GGUF loader uses, so it
-equals what `AutoConfig.from_pretrained(directory, gguf_file=...)` returns (tests/test_weights.py
-checks it). The timings behind these choices: docs/serving.md, "Measurements behind the engine's
-choices".
+transformers' GGUF loader dequantizes every block and throws the 4-bit form away; the Q4_1 and Q8_0
+matrices are kept here still quantized, so the model can run small steps on the file's own blocks
+(linear.py). The few transforms the models make before their layers take the weights live here too:
+projections stacked into one matrix (`fuse`), a weight made float (`dense_float`), a float head
+rounded to Q4_1 for --int4-head (`quantize_q4_1`). The timings behind these choices:
+docs/serving.md, "Measurements behind the engine's choices".
 """
 from __future__ import annotations
 
@@ -22,10 +16,6 @@ from typing import Union
 import gguf
 import numpy as np
 import torch
-import transformers
-from transformers import CONFIG_MAPPING
-from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
-from transformers.integrations.gguf.reader import GgufHeader, read_gguf_metadata
 
 GROUP = 32  # Q4_1 and Q8_0 blocks: 32 weights along the input dimension share a scale
 PANEL = 16  # output features csrc/panels.h takes together (one int32 lane each)
@@ -189,88 +179,13 @@ def quantize_q4_1(weight: torch.Tensor) -> Q41:
     return Q41(q=q.view(rows, cols), d=scale, m=low)
 
 
-def read_gguf(path: str) -> tuple[transformers.PretrainedConfig, dict[str, torch.Tensor | Q41]]:
-    """The model's config and its tensors under Hugging Face names (model.embed_tokens.weight,
-    model.layers.{i}.self_attn.{q,k,v,o}_proj.weight, model.layers.{i}.mlp.{gate,up,down}_proj.weight,
-    model.layers.{i}.input_layernorm.weight, model.layers.{i}.post_attention_layernorm.weight, model.norm.weight;
-    lm_head.weight only if the file has a separate output tensor). Q4_1 tensors come as Q41 (q/k rows already in HF order),
-    everything else dequantized to float32 tensors."""
-    metadata, names = read_gguf_metadata(path)
-    if metadata["general.architecture"] != "llama":
-        raise ValueError(f"{path}: architecture {metadata['general.architecture']!r}; only llama is supported")
-    config = _config(metadata, names)
-
-    header = GgufHeader.from_file(path)
-    blob = np.asarray(np.memmap(path, dtype=np.uint8, mode="r"))  # pages are read as tensors are decoded
-
-    # llama.cpp interleaves the two rotary halves of each q/k head; these orders undo it.
-    q_rows = _unpermute_rope_rows(config.num_attention_heads, config.head_dim)
-    k_rows = _unpermute_rope_rows(config.num_key_value_heads, config.head_dim)
-
-    # The decoding is numpy's, single-threaded on purpose: torch's thread pool spends most of its time
-    # waiting at barriers when other processes want the same cores (many times slower on two busy
-    # cores), and this is hundreds of small operations.
-    tensors = {}
-    for info in header.tensors:
-        name = _hf_name(info.name)
-        start = header.data_start + info.offset
-        rows = blob[start:start + info.nbytes].reshape(info.shape[0], -1)  # a row's blocks are its own
-        if name.endswith("self_attn.q_proj.weight"):
-            rows = rows[q_rows]
-        elif name.endswith("self_attn.k_proj.weight"):
-            rows = rows[k_rows]
-        tensors[name] = _decode(rows, info.ggml_type, info.shape)
-    return config, tensors
+def read_gguf(path: str):
+    """(config, tensors) of a GGUF file: gguf_reader.read_gguf, kept here for its older callers."""
+    from worker.continuous.gguf_reader import read_gguf as read  # gguf_reader imports this module
+    return read(path)
 
 
-def _config(metadata: dict, tensor_names: tuple[str, ...]) -> transformers.PretrainedConfig:
-    """The config transformers' GGUF loader builds, from the metadata alone.
-
-    `AutoConfig.from_pretrained(directory, gguf_file=...)` gets there through `gguf.GGUFReader`, which
-    is slow on this file; this is the same key mapping applied to the cheaply read metadata.
-    """
-    architecture = metadata["general.architecture"]
-    values = {}
-    for key, value in metadata.items():
-        prefix, _, rest = key.partition(".")
-        if prefix in ("general", "tokenizer", architecture):
-            target = GGUF_CONFIG_MAPPING[prefix].get(rest)
-            if target is not None and target != -1:  # None and -1: keys transformers knowingly skips
-                values[target] = value
-    # llama.cpp writes the output projection only when it is not the embedding matrix.
-    values["tie_word_embeddings"] = "output.weight" not in tensor_names
-    if "vocab_size" not in values:
-        values["vocab_size"] = metadata["tokenizer.ggml.tokens"]  # the reader leaves string arrays as counts
-    return CONFIG_MAPPING[values["model_type"]].from_dict(values)
-
-
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-}
-
-
-def _hf_name(name: str) -> str:
-    parts = name.split(".")  # "token_embd.weight" or "blk.3.attn_q.weight"
-    if len(parts) == 2 and parts[0] in _TOP_NAMES:
-        return f"{_TOP_NAMES[parts[0]]}.{parts[1]}"
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
-    # Fail loudly: a tensor we do not place (llama3's rope_freqs, say) would silently change the model.
-    raise ValueError(f"GGUF tensor {name!r} has no Hugging Face llama counterpart here")
-
-
-def _unpermute_rope_rows(heads: int, head_dim: int) -> np.ndarray:
-    """The row order that turns llama.cpp's q/k rows back into Hugging Face's.
-
-    Within a head, llama.cpp's row 2i + a is Hugging Face's row a * head_dim / 2 + i.
-    """
-    return np.arange(heads * head_dim).reshape(heads, head_dim // 2, 2).transpose(0, 2, 1).reshape(-1)
-
-
-def _decode(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> torch.Tensor | Quantized:
+def decode(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> torch.Tensor | Quantized:
     """One tensor's bytes (uint8, a row of the tensor per row) as a Q41, a Q80 or a float32 tensor of
     `shape` (torch order), in memory of its own rather than the file's mapping."""
     if ggml_type == _Q4_1:
@@ -282,7 +197,8 @@ def _decode(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> torch.Te
     if ggml_type == _BF16:  # numpy has no bfloat16: widen the bits to float32's by hand
         bits = np.ascontiguousarray(raw).view(np.uint16).astype(np.uint32) << 16
         return torch.from_numpy(bits.view(np.float32)).view(shape)
-    # Anything else is rare enough for gguf's numpy reference to do.
+    # Every other type (Q4_0, Q5_0, the K-quants, ...) is made dense by gguf's numpy reference, the
+    # same code transformers' loader and the tests' references use; kernels for them come later.
     return torch.from_numpy(gguf.quants.dequantize(np.ascontiguousarray(raw), ggml_type)).view(shape)
 
 
