@@ -186,7 +186,7 @@ def _tools(tool_spec: tools.ToolSpec, tokenizer) -> Grammar:
         **JSON_DEFAULTS, "item_separator": fmt.item_separator, "key_separator": fmt.key_separator}
     schema = {**tools.call_schema(tool_spec), "x-guidance": options}
     if fmt.opener:
-        text = llguidance.LLMatcher.grammar_from_lark(_tagged_calls(fmt, schema, tool_spec))
+        text = llguidance.LLMatcher.grammar_from_lark(_tagged_calls(fmt, schema, tool_spec, tokenizer))
     elif tool_spec.required:
         text = _json_grammar(schema, "tools")
     else:  # text that does not start with "{" (after whitespace), or a call, which may follow some
@@ -198,21 +198,41 @@ def _tools(tool_spec: tools.ToolSpec, tokenizer) -> Grammar:
     return check(text, "tools", tokenizer)
 
 
-def _tagged_calls(fmt, schema: dict, tool_spec: tools.ToolSpec) -> str:
+def _tagged_calls(fmt, schema: dict, tool_spec: tools.ToolSpec, tokenizer) -> str:
     """Lark for calls each in the format's tags (Qwen's `<tool_call>\\n{...}\\n</tool_call>`, one
-    after another where parallel); auto: text without the opening tag, or text (lazily, up to the
-    first tag) and then calls. Text must hold something besides whitespace, as in the fallback."""
-    opener, closer, between = (json.dumps(s) for s in (fmt.opener + "\n", "\n" + fmt.closer, fmt.between))
+    after another where parallel); auto: text without the opening tag, or text and then calls.
+    Text must hold something besides whitespace, as in the fallback.
+
+    Qwen's vocabulary holds each tag as one added token, which llguidance counts as special: no
+    text matches it, only a reference to the token (`<tool_call>` outside quotes) does, so a tag
+    that is one token is written so and the model writes it as it was trained to; a tag that is
+    not (a tokenizer without it) is text, and text before the first call is then a lazy lexeme
+    that ends at the tag."""
+    opener, closer = (_tag(tag, tokenizer) for tag in (fmt.opener, fmt.closer))
+    between = json.dumps(fmt.between)
     more = f"({between} call)*" if tool_spec.parallel else ""
-    lines = [f"call: {opener} body {closer}", f"body: %json {json.dumps(schema)}"]
+    lines = [f'call: {opener} "\\n" body "\\n" {closer}', f"body: %json {json.dumps(schema)}"]
+    tag = re.escape(fmt.opener)
+    no_tag = f"~/(?s:.*){tag}(?s:.*)/"
     if tool_spec.required:
         lines.insert(0, f"start: call {more}")
+    elif opener.startswith("<"):  # the tag is a token of its own
+        lines[:0] = [f"start: TEXT | BEFORE? call {more}",
+                     f"TEXT: /[ \\t\\r\\n]*[^ \\t\\r\\n](?s:.*)/ & {no_tag}",
+                     f"BEFORE: /(?s:.*)/ & {no_tag}"]
     else:
-        tag = re.escape(fmt.opener)
-        lines[:0] = [f"start: TEXT | first body {closer} {more}",
-                     f"TEXT: /[ \\t\\r\\n]*[^ \\t\\r\\n](?s:.*)/ & ~/(?s:.*){tag}(?s:.*)/",
-                     f"first[lazy]: /(?s:.*){tag}\\n/"]
+        lines[:0] = [f'start: TEXT | first "\\n" body "\\n" {closer} {more}',
+                     f"TEXT: /[ \\t\\r\\n]*[^ \\t\\r\\n](?s:.*)/ & {no_tag}",
+                     f"first[lazy]: /(?s:.*){tag}/"]
     return "\n".join(lines) + "\n"
+
+
+def _tag(text: str, tokenizer) -> str:
+    """A tag in Lark: a reference to its token where the tokenizer has it as one special token,
+    else a string."""
+    ll = tokenizer.llguidance()
+    ids = ll.tokenize_str(text)
+    return text if len(ids) == 1 and ll.is_special_token(ids[0]) else json.dumps(text)
 
 
 # Checking -------------------------------------------------------------------------------------

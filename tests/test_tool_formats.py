@@ -122,6 +122,16 @@ def qwen():
 
 
 @pytest.fixture(scope="module")
+def qwen_tags():
+    """Qwen's template on a tokenizer that, as Qwen's vocabulary does, holds each tag as one added
+    (not special) token."""
+    hf = tiny_tokenizer()
+    hf.add_tokens(["<tool_call>", "</tool_call>"])
+    hf.chat_template = QWEN_TEMPLATE
+    return Tokenizer(hf)
+
+
+@pytest.fixture(scope="module")
 def llama3():
     return _tokenizer(LLAMA3_TEMPLATE)
 
@@ -225,6 +235,25 @@ def test_qwens_grammar_asks_for_calls_in_its_tags(qwen, choice, allowed, refused
         assert _allows(qwen, grammar, text), text
     for text in refused:
         assert not _allows(qwen, grammar, text), text
+
+
+@pytest.mark.parametrize("choice", ["required", "auto"])
+def test_a_tag_that_is_one_token_is_asked_for_as_that_token(qwen_tags, choice):
+    """What the model writes is the tag's own token, as in its training (llguidance counts an added
+    token as special: a string in the grammar would not match it)."""
+    grammar = _grammar(qwen_tags, choice)
+    ll = qwen_tags.llguidance()
+    if choice == "auto":
+        assert _allows(qwen_tags, grammar, "Sunny.") and not _allows(qwen_tags, grammar, "")
+    reply = ("Let me look.\n" if choice == "auto" else "") + QWEN_PARIS + "\n" + QWEN_GOLD
+    ids = qwen_tags._tok(reply, add_special_tokens=False).input_ids
+    tag = qwen_tags._tok.convert_tokens_to_ids("<tool_call>")
+    assert ids.count(tag) == 2
+    matcher = llguidance.LLMatcher(ll, grammar, log_level=0)
+    assert matcher.consume_tokens(ids) and matcher.consume_token(ll.eos_token), matcher.get_error()
+    # What the worker then sends back (its text, the tags decoded) reads as the two calls.
+    text = qwen_tags._tok.decode(ids, skip_special_tokens=True)
+    assert text == reply and len(tools.read_reply(text, "stop", _spec(qwen_tags, choice))[1]) == 2
 
 
 def test_parallel_tool_calls_false_allows_one_call(qwen):
@@ -336,8 +365,10 @@ def test_a_llama3_reply_is_read_as_its_call_whole_and_streamed(llama3):
 
 # The grammar and the readers agree ----------------------------------------------------------------
 
-def _sample(ll_tokenizer, grammar: str, rng: random.Random, max_tokens: int = 1500) -> str:
-    """A random reply the grammar allows: each token drawn uniformly among those its mask allows."""
+def _sample(tokenizer: Tokenizer, grammar: str, rng: random.Random, max_tokens: int = 1500) -> str:
+    """A random reply the grammar allows: each token drawn uniformly among those its mask allows;
+    its text as the worker decodes it."""
+    ll_tokenizer = tokenizer.llguidance()
     matcher = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0)
     tokens = []
     while not matcher.is_stopped() and len(tokens) < max_tokens:
@@ -346,10 +377,10 @@ def _sample(ll_tokenizer, grammar: str, rng: random.Random, max_tokens: int = 15
         assert matcher.consume_token(token), matcher.get_error()
         tokens.append(token)
     assert matcher.is_stopped(), "the grammar did not end"
-    return ll_tokenizer.decode_str([t for t in tokens if t != ll_tokenizer.eos_token])
+    return tokenizer.decode([t for t in tokens if t != ll_tokenizer.eos_token])
 
 
-@pytest.mark.parametrize("template", ["qwen", "llama3"])
+@pytest.mark.parametrize("template", ["qwen", "qwen_tags", "llama3"])
 def test_every_call_the_grammar_allows_is_read_as_valid_calls(template, request):
     tokenizer = request.getfixturevalue(template)
     spec = _spec(tokenizer, "required")
@@ -357,7 +388,7 @@ def test_every_call_the_grammar_allows_is_read_as_valid_calls(template, request)
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     rng, names, counts = random.Random(1), set(), set()
     for _ in range(10):
-        text = _sample(tokenizer.llguidance(), grammar, rng)
+        text = _sample(tokenizer, grammar, rng)
         content, calls, reason = tools.read_reply(text, "stop", spec)
         assert reason == "tool_calls" and content is None, text
         for call in calls:
