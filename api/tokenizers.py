@@ -46,8 +46,11 @@ class Tokenizer:
         with self._lock:
             if not self._tok.chat_template:
                 raise ValueError("this model has no chat template: use /v1/completions")
-            text = self._tok.apply_chat_template(messages, tools=tool_list, tokenize=False,
-                                                 add_generation_prompt=True)
+            try:
+                text = self._tok.apply_chat_template(messages, tools=tool_list, tokenize=False,
+                                                     add_generation_prompt=True)
+            except jinja2.TemplateError as exc:  # its raise_exception(), e.g. Llama 3's one call a turn
+                raise ValueError(f"this model's chat template refuses the conversation: {exc}") from exc
             # The template writes the special tokens itself.
             return self._tok(text, add_special_tokens=False).input_ids
 

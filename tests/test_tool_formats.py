@@ -406,12 +406,11 @@ def test_every_call_the_grammar_allows_is_read_as_valid_calls(template, request)
 MODEL = "qwen-tiny"
 
 
-@pytest.fixture
-def served(fake_redis):
-    """The app on fakeredis with a stand-in worker of a model whose template is Qwen's, and the
+def _serve(fake_redis, template) -> openai.OpenAI:
+    """The app on fakeredis with a stand-in worker of a model whose template is `template`, and the
     official openai client talking to it in-process."""
     hf = tiny_tokenizer()
-    hf.chat_template = QWEN_TEMPLATE
+    hf.chat_template = template
     files = model_loader.tokenizer_files(hf)
     queue = JobQueue(fake_redis, "w1", MODEL)
     queue.store_tokenizer(files)
@@ -421,6 +420,11 @@ def served(fake_redis):
     app = create_app(Settings(request_timeout=10), client=fake_redis)
     http = openai.DefaultHttpx2Client(transport=httpx2.WSGITransport(app=app))
     return openai.OpenAI(base_url="http://api/v1", api_key="none", http_client=http, max_retries=0)
+
+
+@pytest.fixture
+def served(fake_redis):
+    return _serve(fake_redis, QWEN_TEMPLATE)
 
 
 def _worker(client, pieces: list[str], seen: list) -> None:
@@ -473,3 +477,14 @@ def test_the_openai_client_gets_qwens_calls_as_tool_calls(served, fake_redis, qw
     prompt = qwen._tok.decode(job.prompt_ids)
     assert "<tools>\n" in prompt and '"name": "give_gold"' in prompt  # the template showed the tools
     assert grammar == _grammar(qwen) and _allows(qwen, grammar, REPLY)  # the job's grammar is Qwen's
+
+
+def test_a_conversation_the_template_refuses_is_a_400_naming_messages(fake_redis):
+    """Llama 3's template raises for two calls in one assistant turn; a template's own refusal is the
+    client's mistake, said in the template's words, not a server error."""
+    client = _serve(fake_redis, "{% if messages | length > 1 %}{{ raise_exception('one message only!') }}"
+                                "{% endif %}{{ messages[0].content }}")
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=HISTORY[:2])
+    assert caught.value.body["param"] == "messages" and "one message only!" in caught.value.body["message"]
+    assert not fake_redis.llen(keys.queue(MODEL))  # nothing queued
