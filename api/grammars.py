@@ -217,9 +217,15 @@ def _tagged_calls(fmt, schema: dict, tool_spec: tools.ToolSpec, tokenizer) -> st
     if tool_spec.required:
         lines.insert(0, f"start: call {more}")
     elif opener.startswith("<"):  # the tag is a token of its own
-        lines[:0] = [f"start: TEXT | BEFORE? call {more}",
+        # A thought in tags that are tokens (Qwen3's <think>) may come first: text could not
+        # write those tokens.
+        thought = [_tag(t, tokenizer) for t in fmt.thought]
+        thinks = len(thought) == 2 and all(t.startswith("<") for t in thought)
+        lines[:0] = [f"start: {'thought? ' if thinks else ''}(TEXT | BEFORE? call {more})",
                      f"TEXT: /[ \\t\\r\\n]*[^ \\t\\r\\n](?s:.*)/ & {no_tag}",
                      f"BEFORE: /(?s:.*)/ & {no_tag}"]
+        if thinks:
+            lines += [f"thought: {thought[0]} THOUGHT {thought[1]}", "THOUGHT: /(?s:.*)/"]
     else:
         lines[:0] = [f'start: TEXT | first "\\n" body "\\n" {closer} {more}',
                      f"TEXT: /[ \\t\\r\\n]*[^ \\t\\r\\n](?s:.*)/ & {no_tag}",

@@ -10,7 +10,8 @@ OpenAI's `tool_calls`. Three formats:
   call syntax is neither of the two below (it renders the tools its own way; the call is this).
 - "hermes" (Qwen2.5, Qwen3, and other Hermes-style templates): each call in its own tags,
   `<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`, several calls one after the
-  other ("\\n" between), text allowed before the first (Qwen3's thinking, a sentence).
+  other ("\\n" between), text allowed before the first (a sentence, or Qwen3's
+  `<think>...</think>`, whose tags are tokens of their own there).
 - "llama3" (Llama 3.1 / 3.2's JSON tool calling): the reply is one JSON object
   `{"name": "f", "parameters": {...}}`; one call a reply (Llama's own template refuses more).
 
@@ -45,6 +46,7 @@ class ToolFormat:
     between: str = ""         # what the grammar puts between two calls
     parallel: bool = False    # several calls in one reply
     text_before: bool = False  # free text may come before the first call (auto)
+    thought: tuple = ()       # (open, close) of a thought the model may write first (auto)
 
     def call_head(self, name: str) -> str:
         """A call's text up to its arguments' object, whitespace left out (the readers compare
@@ -54,7 +56,7 @@ class ToolFormat:
 
 JSON = ToolFormat("json", "arguments", ",", ":")
 HERMES = ToolFormat("hermes", "arguments", ", ", ": ", opener="<tool_call>", closer="</tool_call>",
-                    between="\n", parallel=True, text_before=True)
+                    between="\n", parallel=True, text_before=True, thought=("<think>", "</think>"))
 LLAMA3 = ToolFormat("llama3", "parameters", ", ", ": ")
 FORMATS = {f.name: f for f in (JSON, HERMES, LLAMA3)}
 
