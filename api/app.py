@@ -118,7 +118,8 @@ def create_app(settings: Optional[Settings] = None, client: Optional[redis.Redis
         # A full queue is refused before the costly part (tokenizing), so a crowd hears it at once.
         broker.admission.check(req.model, req.n * (1 if chat else len(req.prompts)), cap)
         tokenizer = tokenizers.get(workers[0])
-        tool_spec = tools.spec(req.tools, req.tool_choice) if chat else None
+        tool_spec = (tools.spec(req.tools, req.tool_choice, tokenizer.tool_format, req.parallel_tool_calls)
+                     if chat else None)
         prompts = _tokenize(req, tokenizer, chat, tool_spec)
         # The constraint, checked before anything is queued; its jobs carry only its hash.
         grammar = grammars.for_request(req, tokenizer, tool_spec)

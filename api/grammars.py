@@ -7,7 +7,8 @@ A request has at most one constraint:
 - `structured_outputs`, in vLLM's names: exactly one of `json` (a JSON Schema, as an object or its
   text), `regex`, `choice` (a list of strings), `grammar` (Lark as llguidance reads it, or GBNF,
   told apart by its `::=`), `json_object` (true);
-- `tools` with tool_choice "auto", "required" or a named function (api/tools.py says what each allows).
+- `tools` with tool_choice "auto", "required" or a named function (api/tools.py says what each allows),
+  in the model's call format (api/tool_formats.py).
 
 The grammar text is what llguidance.LLMatcher takes (LLMatcher.grammar_from_json_schema /
 grammar_from_lark / grammar_from_regex); its sha256 hex is `params.grammar`, and the text lies at
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import sys
 import threading
 import weakref
@@ -40,7 +42,7 @@ from typing import Optional
 import llguidance
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
-from api import tools
+from api import tool_formats, tools
 from api.errors import bad_request
 from shared import keys
 
@@ -172,14 +174,20 @@ def _only_fields(obj: dict, known: tuple, where: str) -> None:
 
 
 def _tools(tool_spec: tools.ToolSpec, tokenizer) -> Grammar:
-    """A call of the allowed functions, or (auto) text or a call. Each parameter schema is checked
-    on its own first, so a fault is named by its place in `tools` (inside an anyOf, llguidance would
-    quietly drop a function whose schema nothing satisfies)."""
+    """Calls of the allowed functions in the model's format (api/tool_formats.py), or (auto) text or
+    calls. Each parameter schema is checked on its own first, so a fault is named by its place in
+    `tools` (inside an anyOf, llguidance would quietly drop a function whose schema nothing
+    satisfies)."""
     for i, function in enumerate(tool_spec.functions):
         param = f"tools[{i}].function.parameters"
         check(_json_grammar(function["parameters"], param), param, tokenizer)
-    schema = {**tools.call_schema(tool_spec), "x-guidance": JSON_DEFAULTS}
-    if tool_spec.required:
+    fmt = tool_spec.format
+    options = JSON_DEFAULTS if fmt is tool_formats.JSON else {  # the spacing its template writes
+        **JSON_DEFAULTS, "item_separator": fmt.item_separator, "key_separator": fmt.key_separator}
+    schema = {**tools.call_schema(tool_spec), "x-guidance": options}
+    if fmt.opener:
+        text = llguidance.LLMatcher.grammar_from_lark(_tagged_calls(fmt, schema, tool_spec, tokenizer))
+    elif tool_spec.required:
         text = _json_grammar(schema, "tools")
     else:  # text that does not start with "{" (after whitespace), or a call, which may follow some
         text = llguidance.LLMatcher.grammar_from_lark(
@@ -188,6 +196,49 @@ def _tools(tool_spec: tools.ToolSpec, tokenizer) -> Grammar:
             "WS: /[ \\t\\r\\n]+/\n"
             f"call: WS? %json {json.dumps(schema)}\n")
     return check(text, "tools", tokenizer)
+
+
+def _tagged_calls(fmt, schema: dict, tool_spec: tools.ToolSpec, tokenizer) -> str:
+    """Lark for calls each in the format's tags (Qwen's `<tool_call>\\n{...}\\n</tool_call>`, one
+    after another where parallel); auto: text without the opening tag, or text and then calls.
+    Text must hold something besides whitespace, as in the fallback.
+
+    Qwen's vocabulary holds each tag as one added token, which llguidance counts as special: no
+    text matches it, only a reference to the token (`<tool_call>` outside quotes) does, so a tag
+    that is one token is written so and the model writes it as it was trained to; a tag that is
+    not (a tokenizer without it) is text, and text before the first call is then a lazy lexeme
+    that ends at the tag."""
+    opener, closer = (_tag(tag, tokenizer) for tag in (fmt.opener, fmt.closer))
+    between = json.dumps(fmt.between)
+    more = f"({between} call)*" if tool_spec.parallel else ""
+    lines = [f'call: {opener} "\\n" body "\\n" {closer}', f"body: %json {json.dumps(schema)}"]
+    tag = re.escape(fmt.opener)
+    no_tag = f"~/(?s:.*){tag}(?s:.*)/"
+    if tool_spec.required:
+        lines.insert(0, f"start: call {more}")
+    elif opener.startswith("<"):  # the tag is a token of its own
+        # A thought in tags that are tokens (Qwen3's <think>) may come first: text could not
+        # write those tokens.
+        thought = [_tag(t, tokenizer) for t in fmt.thought]
+        thinks = len(thought) == 2 and all(t.startswith("<") for t in thought)
+        lines[:0] = [f"start: {'thought? ' if thinks else ''}(TEXT | BEFORE? call {more})",
+                     f"TEXT: /[ \\t\\r\\n]*[^ \\t\\r\\n](?s:.*)/ & {no_tag}",
+                     f"BEFORE: /(?s:.*)/ & {no_tag}"]
+        if thinks:
+            lines += [f"thought: {thought[0]} THOUGHT {thought[1]}", "THOUGHT: /(?s:.*)/"]
+    else:
+        lines[:0] = [f'start: TEXT | first "\\n" body "\\n" {closer} {more}',
+                     f"TEXT: /[ \\t\\r\\n]*[^ \\t\\r\\n](?s:.*)/ & {no_tag}",
+                     f"first[lazy]: /(?s:.*){tag}/"]
+    return "\n".join(lines) + "\n"
+
+
+def _tag(text: str, tokenizer) -> str:
+    """A tag in Lark: a reference to its token where the tokenizer has it as one special token,
+    else a string."""
+    ll = tokenizer.llguidance()
+    ids = ll.tokenize_str(text)
+    return text if len(ids) == 1 and ll.is_special_token(ids[0]) else json.dumps(text)
 
 
 # Checking -------------------------------------------------------------------------------------

@@ -232,7 +232,7 @@ def request_schemas() -> dict:
                 "top_logprobs": nullable(logprobs_k, "the likeliest tokens beside each (needs logprobs: true)"),
                 "tools": nullable({"type": "array", "maxItems": MAX_TOOLS, "items": ref("schemas", "Tool")}),
                 "tool_choice": nullable(ref("schemas", "ToolChoice")),
-                "parallel_tool_calls": nullable({"type": "boolean"}, "metadata: accepted, without effect"),
+                "parallel_tool_calls": nullable({"type": "boolean"}, "several calls a reply where the model's format has them"),
                 "modalities": _refused({"type": "array", "items": {"type": "string", "enum": ["text"]},
                                         "minItems": 1, "maxItems": 1}, "modalities"),
                 **{name: _refused({"not": {}}, name) for name in ("audio", "prediction", "web_search_options",

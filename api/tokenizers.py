@@ -14,7 +14,7 @@ import llguidance.hf
 from transformers import AutoTokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2's byte-level alphabet
 
-from api import tools
+from api import tool_formats, tools
 from shared import keys
 from shared.protocol import WorkerInfo
 
@@ -27,6 +27,8 @@ class Tokenizer:
         self._lock = threading.Lock()
         self._ll_tokenizer: Optional[llguidance.LLTokenizer] = None
         self.takes_tools = _template_reads_tools(hf_tokenizer.chat_template)
+        # The call syntax the model was trained on (api/tool_formats.py): what grammars ask for.
+        self.tool_format = tool_formats.detect(hf_tokenizer.chat_template, self.takes_tools)
         self._byte_decoder: Optional[dict] = None  # token_bytes', made at its first use
 
     @property
@@ -44,8 +46,11 @@ class Tokenizer:
         with self._lock:
             if not self._tok.chat_template:
                 raise ValueError("this model has no chat template: use /v1/completions")
-            text = self._tok.apply_chat_template(messages, tools=tool_list, tokenize=False,
-                                                 add_generation_prompt=True)
+            try:
+                text = self._tok.apply_chat_template(messages, tools=tool_list, tokenize=False,
+                                                     add_generation_prompt=True)
+            except jinja2.TemplateError as exc:  # its raise_exception(), e.g. Llama 3's one call a turn
+                raise ValueError(f"this model's chat template refuses the conversation: {exc}") from exc
             # The template writes the special tokens itself.
             return self._tok(text, add_special_tokens=False).input_ids
 

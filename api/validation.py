@@ -83,6 +83,7 @@ class CompletionRequest:
     structured_outputs: Optional[dict] = None  # vLLM's: one of json, regex, choice, grammar
     tools: Optional[list] = None  # chat
     tool_choice: Optional[Union[str, dict]] = None  # "none" | "auto" | "required" | a named function
+    parallel_tool_calls: bool = True  # chat: several calls a reply, where the model's format has them
 
 
 def _kind_ok(value, kind) -> bool:
@@ -309,6 +310,7 @@ def parse_chat(body, lenient: bool = False) -> CompletionRequest:
            f"must be between 0 and {MAX_LOGPROBS}, got {top_logprobs}")
     _check(logprobs or not top_logprobs, "top_logprobs", "needs 'logprobs': true")
     req.params.logprobs = top_logprobs if logprobs else None
+    req.parallel_tool_calls = body.get("parallel_tool_calls") is not False  # its type: _metadata
     return req
 
 
