@@ -83,6 +83,12 @@ def test_the_format_is_told_by_the_templates_text(qwen, llama3):
     assert tiny_tokenizer().chat_template and _tokenizer(tiny_tokenizer().chat_template).tool_format is tool_formats.JSON
     # A template that reads tools in a syntax of its own that is neither: the fallback (today's).
     assert tool_formats.detect("{% for t in tools %}[TOOL]{{ t | tojson }}{% endfor %}", True) is tool_formats.JSON
+    # Qwen3-Coder's calls are XML inside the same tags: not JSON, so not this format.
+    coder = "{{ tools }}<tool_call>\n<function=name>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+    assert tool_formats.detect(coder, True) is tool_formats.JSON
+    # Llama 3.2's pythonic variant has the headers but no "parameters" key: not this format either.
+    assert tool_formats.detect("<|start_header_id|>{{ tools }}[func_name1(params_name1=params_value1)]", True) \
+        is tool_formats.JSON
     # The markers count only in a template that reads `tools`.
     assert tool_formats.detect("<tool_call>{{ messages }}", False) is tool_formats.JSON
     # Of several templates by name, the one transformers renders tools with.
