@@ -175,9 +175,10 @@ def test_a_tag_that_is_one_token_is_asked_for_as_that_token(qwen_tags, choice):
     ll = qwen_tags.llguidance()
     if choice == "auto":
         assert _allows(qwen_tags, grammar, "Sunny.") and not _allows(qwen_tags, grammar, "")
-        thought = qwen_tags._tok("<think>\nHm.\n</think>\n\nSunny.", add_special_tokens=False).input_ids
-        matcher = llguidance.LLMatcher(ll, grammar, log_level=0)
-        assert matcher.consume_tokens(thought) and matcher.consume_token(ll.eos_token), matcher.get_error()
+        for text in ("<think>\nHm.\n</think>\n\nSunny.", QWEN_PARIS, "Let me look.\n" + QWEN_PARIS):
+            ids = qwen_tags._tok(text, add_special_tokens=False).input_ids
+            matcher = llguidance.LLMatcher(ll, grammar, log_level=0)
+            assert matcher.consume_tokens(ids) and matcher.consume_token(ll.eos_token), (text, matcher.get_error())
     # With auto, Qwen3's thought first (its tags tokens too), then the calls.
     reply = ("<think>\nParis first.\n</think>\n\n" if choice == "auto" else "") + QWEN_PARIS + "\n" + QWEN_GOLD
     ids = qwen_tags._tok(reply, add_special_tokens=False).input_ids
