@@ -20,7 +20,8 @@ The two trained formats write JSON as the templates' `tojson` does (Python's jso
 its history; the fallback stays compact.
 
 Detection (`detect`) looks only at the template's text, and only when it reads `tools`:
-- it mentions `<tool_call>`: hermes;
+- it mentions `<tool_call>` and writes an `"arguments"` key, and is not Qwen3-Coder's XML calls
+  (`<function=name><parameter=...>` inside the tags): hermes;
 - it has Llama 3's header token `<|start_header_id|>` and writes a call's `"parameters"` key: llama3;
 - anything else: json (today's behaviour; unknown formats are never guessed at).
 
@@ -60,9 +61,11 @@ HERMES = ToolFormat("hermes", "arguments", ", ", ": ", opener="<tool_call>", clo
 LLAMA3 = ToolFormat("llama3", "parameters", ", ", ": ")
 FORMATS = {f.name: f for f in (JSON, HERMES, LLAMA3)}
 
-# Llama 3's template writes a call as '{"name": "' + name + '", "parameters": ' (and asks for it in
-# its tools' preamble inside a Jinja string, where the quotes may be escaped).
-_LLAMA3_PARAMETERS = re.compile(r'\\?"parameters\\?"')
+
+def _writes_key(text: str, key: str) -> bool:
+    """Whether a template writes the JSON key `key`: '"key": ' in a call, or inside a Jinja string
+    where the quotes may be escaped (Qwen's `{\\"name\\": <function-name>, \\"arguments\\": ...}`)."""
+    return re.search(r'\\?"' + re.escape(key) + r'\\?"', text) is not None
 
 
 def template_text(template: Union[str, dict, None]) -> str:
@@ -80,9 +83,9 @@ def detect(template: Union[str, dict, None], reads_tools: bool) -> ToolFormat:
     if not reads_tools:
         return JSON
     text = template_text(template)
-    if "<tool_call>" in text:
+    if "<tool_call>" in text and _writes_key(text, "arguments") and "<function=" not in text:
         return HERMES
-    if "<|start_header_id|>" in text and _LLAMA3_PARAMETERS.search(text):
+    if "<|start_header_id|>" in text and _writes_key(text, "parameters"):
         return LLAMA3
     return JSON
 

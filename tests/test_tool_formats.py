@@ -83,6 +83,12 @@ def test_the_format_is_told_by_the_templates_text(qwen, llama3):
     assert tiny_tokenizer().chat_template and _tokenizer(tiny_tokenizer().chat_template).tool_format is tool_formats.JSON
     # A template that reads tools in a syntax of its own that is neither: the fallback (today's).
     assert tool_formats.detect("{% for t in tools %}[TOOL]{{ t | tojson }}{% endfor %}", True) is tool_formats.JSON
+    # Qwen3-Coder's calls are XML inside the same tags: not JSON, so not this format.
+    coder = "{{ tools }}<tool_call>\n<function=name>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+    assert tool_formats.detect(coder, True) is tool_formats.JSON
+    # Llama 3.2's pythonic variant has the headers but no "parameters" key: not this format either.
+    assert tool_formats.detect("<|start_header_id|>{{ tools }}[func_name1(params_name1=params_value1)]", True) \
+        is tool_formats.JSON
     # The markers count only in a template that reads `tools`.
     assert tool_formats.detect("<tool_call>{{ messages }}", False) is tool_formats.JSON
     # Of several templates by name, the one transformers renders tools with.
@@ -169,9 +175,10 @@ def test_a_tag_that_is_one_token_is_asked_for_as_that_token(qwen_tags, choice):
     ll = qwen_tags.llguidance()
     if choice == "auto":
         assert _allows(qwen_tags, grammar, "Sunny.") and not _allows(qwen_tags, grammar, "")
-        thought = qwen_tags._tok("<think>\nHm.\n</think>\n\nSunny.", add_special_tokens=False).input_ids
-        matcher = llguidance.LLMatcher(ll, grammar, log_level=0)
-        assert matcher.consume_tokens(thought) and matcher.consume_token(ll.eos_token), matcher.get_error()
+        for text in ("<think>\nHm.\n</think>\n\nSunny.", QWEN_PARIS, "Let me look.\n" + QWEN_PARIS):
+            ids = qwen_tags._tok(text, add_special_tokens=False).input_ids
+            matcher = llguidance.LLMatcher(ll, grammar, log_level=0)
+            assert matcher.consume_tokens(ids) and matcher.consume_token(ll.eos_token), (text, matcher.get_error())
     # With auto, Qwen3's thought first (its tags tokens too), then the calls.
     reply = ("<think>\nParis first.\n</think>\n\n" if choice == "auto" else "") + QWEN_PARIS + "\n" + QWEN_GOLD
     ids = qwen_tags._tok(reply, add_special_tokens=False).input_ids
