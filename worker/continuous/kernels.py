@@ -2,17 +2,21 @@
 
 kernels.cpp includes every header and binds what this CPU can run:
 - attention.h: decode attention, each row reading its keys and values in place through its block
-  table (`paged_decode`);
+  table, over the whole context or a sliding window of its last positions (`paged_decode`);
 - the linear layers' products (linear.py picks one per layer): panels.h, the GGUF's Q4_1 and Q8_0
   bytes against 8-bit activations, 16 output features a vector (`panel_linear`, AVX-512 VNNI);
   dense_panels.h, a dense weight in panels summed over k in order (`dense_panel_linear`, AVX-512;
   bf16 with AVX-512 BF16); int8.h, the same rounding with a weight row's groups along the lanes
   (`int8_linear`, AVX-512 VNNI or AVX2); quantized.h, the blocks turned to floats (`quantized_linear`,
   any CPU);
+- linear.h: a layer as the decoder holds it (`Linear`) and the one table of the kernel paths it can
+  take, `PATHS` (name -> code, the paths this build runs), which linear.py hands layers over by;
 - sampling.h: a token per row (`sample_rows`) and the grammar masks applied in place (`mask_rows`);
-- the Llama decoder (`LlamaDecoder`, in kernels.cpp): every layer of a step whose tokens are rows
-  of it, decodes and prompt tokens alike, norms, rotary, cache writes and the layers' products
-  (`Linear`) in one call without the GIL;
+- decoder.h: the decoder (`Decoder`): every layer of a step whose tokens are rows of it, decodes
+  and prompt tokens alike, norms, rotary, cache writes, attention and the layers' products in one
+  call without the GIL, with the options of the families the engine runs (q/k/v biases, q/k head
+  norms, partial rotary with tables per layer, sliding windows, post-attention and post-MLP norms,
+  SiLU or GELU-tanh); `LlamaDecoder` is its Llama case (tables given at each call);
 - rowwise.h, included by the others: each row's work a function of its own on aligned scratch, so
   that a row's bits do not depend on the rest of its step (tests/test_invariance.py).
 
@@ -75,7 +79,7 @@ def _clear_stale_lock(build_dir: str) -> None:
 
 @lru_cache(maxsize=None)
 def build(cache_dir: str = "") -> Optional[object]:
-    """The compiled module (`.paged_decode`, `.LlamaDecoder`, ...), or None where it cannot be
+    """The compiled module (`.paged_decode`, `.Decoder`, `.PATHS`, ...), or None where it cannot be
     built. `cache_dir` holds one directory per build key; "" builds in torch's own default place."""
     if os.environ.get("STORYTELLER_NO_KERNELS"):
         return None
@@ -108,7 +112,7 @@ def build(cache_dir: str = "") -> Optional[object]:
             log.info("built the C++ kernels in %.0f s", time.monotonic() - start)
     except Exception as exc:  # no compiler, no ninja, a read-only cache: torch's path still works
         log.warning("C++ kernels unavailable (%s): decode attention, the quantized and panel products, "
-                    "the Llama decoder, the sampler and the grammar masks run in torch instead (slower)", exc)
+                    "the decoder, the sampler and the grammar masks run in torch instead (slower)", exc)
         return None
     if cache_dir:
         try:
