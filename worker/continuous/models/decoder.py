@@ -133,7 +133,8 @@ class Decoder:
             weight = parts[0] if len(parts) == 1 else fuse(parts)
             return Linear(weight, bias, dtype, device, int4_rows, kernel, small=small)
 
-        self.embed = dense_float(tensors["model.embed_tokens.weight"]).to(device=device, dtype=dtype)
+        embed = tensors["model.embed_tokens.weight"]  # quantized in a GGUF file (SmolLM2's: Q8_0)
+        self.embed = (embed.dequantize() if hasattr(embed, "dequantize") else embed).to(device=device, dtype=dtype)
         scale = self.embedding_scale(config)  # rounded to the model's dtype first, as transformers does
         self.embed_scale = None if scale is None else torch.tensor(scale, dtype=dtype, device=device)
         self.blocks = []
