@@ -2,7 +2,8 @@
 
 Requests arrive at random steps with random prompt lengths and max_tokens, on tiny random GPT-2
 and Llama models in float32; "alone" is the static engine (transformers' model) with one request.
-Also with a cache small enough to force preemption, and with shared prefixes (prefix caching).
+Also with a cache small enough to force preemption, and with shared prefixes (prefix caching); and
+on the families with sliding windows (Mistral, Gemma 3's local layers).
 """
 from __future__ import annotations
 
@@ -113,3 +114,23 @@ def test_steps_are_timed_for_the_pacer_and_slow_prompt_steps_shrink_the_prompts_
     for _ in range(4):
         engine.step()
     assert pacer.allowed(2) <= 5  # the first slow step took 18 prompt tokens to ~10x the gap
+
+
+@pytest.fixture(scope="module", params=["mistral", "gemma3"])
+def windowed(request, tmp_path_factory, smollm2_tokenizer):
+    """The families with sliding windows (tests/tiny_models.py: mistral 24, gemma3 16), loaded in float32."""
+    from tests.tiny_models import save_family
+    from worker.model_loader import load
+    directory = save_family(request.param, str(tmp_path_factory.mktemp(request.param)), smollm2_tokenizer)
+    return load(directory, dtype="float32", device="cpu")
+
+
+@pytest.mark.slow  # ~60 s each on 2 busy cores: a 49k-token vocabulary, the static engine once per request
+def test_sliding_windows_through_arrivals_prefix_hits_and_preemption_write_what_each_writes_alone(windowed):
+    """Prompts past the windows, shared prefixes found in the cache, a pool small enough to preempt:
+    each request's text is transformers' own (tests/test_families.py checks the logits)."""
+    jobs = make_jobs(len(windowed.tokenizer), 16, seed=6, shared_prefix=17)
+    engine = make_engine(windowed, replace(SETTINGS, kv_blocks=40))
+    together = run_continuous(engine, jobs)
+    assert engine.scheduler.preempted > 0 and engine.blocks.hits > 0
+    assert together == alone(windowed, jobs)

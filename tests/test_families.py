@@ -231,6 +231,7 @@ def test_what_the_model_code_refuses_is_named_and_no_engine_is_built(loaded_fami
     assert "final_logit_softcapping" in models.unsupported(capped)
     capped.final_logit_softcapping, capped.attn_logit_softcapping = None, 50.0
     assert "attn_logit_softcapping" in models.unsupported(capped)
+    assert "biases" in models.unsupported(LlamaConfig(**tiny, attention_bias=True))
     assert "no compact model code for 'falcon'" in models.unsupported(type("C", (), {"model_type": "falcon"})())
     for kind in FAMILIES:
         assert models.unsupported(family_config(kind, 512, 0, 1)) is None, kind

@@ -94,16 +94,11 @@ def attend(q: torch.Tensor, cache: KVCache, layer: int, step: StepLayout, scale:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def kernel_windows(kernel) -> bool:
-    """Whether the C++ paged_decode takes a window (it came with the general Decoder)."""
-    return hasattr(kernel, "Decoder")
-
-
 def _decode(q, k_cache, v_cache, step: StepLayout, scale: float, window: int = 0) -> torch.Tensor:
-    if step.kernel is not None and (not window or kernel_windows(step.kernel)):
+    if step.kernel is not None:
         with torch.profiler.record_function("paged_decode (C++)"):  # seen in profiles by name
-            args = (q.contiguous(), k_cache, v_cache, step.decode_tables, step.decode_lengths, scale)
-            return step.kernel.paged_decode(*args, *((window,) if window else ()))
+            return step.kernel.paged_decode(q.contiguous(), k_cache, v_cache, step.decode_tables,
+                                            step.decode_lengths, scale, window)
     rows, heads, dim = q.shape
     kv_heads = k_cache.shape[0]
     group = heads // kv_heads

@@ -65,6 +65,10 @@ class Decoder:
         for name in ("attn_logit_softcapping", "final_logit_softcapping"):
             if getattr(config, name, None) is not None:
                 return f"{name} (logit soft-capping)"
+        # Biases are read on q/k/v only, where a family's `layer` names them (Qwen 2), and only
+        # there does the C++ decoder take one; attention_bias puts one on o too, mlp_bias on the MLP.
+        if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+            return "biases on the attention's or the MLP's products"
         if getattr(config, "use_bidirectional_attention", False):
             return "bidirectional attention"
         if cls.activation(config) not in ACT2FN:
@@ -129,7 +133,8 @@ class Decoder:
             weight = parts[0] if len(parts) == 1 else fuse(parts)
             return Linear(weight, bias, dtype, device, int4_rows, kernel, small=small)
 
-        self.embed = dense_float(tensors["model.embed_tokens.weight"]).to(device=device, dtype=dtype)
+        embed = tensors["model.embed_tokens.weight"]  # quantized in a GGUF file (SmolLM2's: Q8_0)
+        self.embed = (embed.dequantize() if hasattr(embed, "dequantize") else embed).to(device=device, dtype=dtype)
         scale = self.embedding_scale(config)  # rounded to the model's dtype first, as transformers does
         self.embed_scale = None if scale is None else torch.tensor(scale, dtype=dtype, device=device)
         self.blocks = []
@@ -169,7 +174,6 @@ class Decoder:
         self.windows = [self.window(config, t) for t in types]
         self._note_windows()
         self.decoder = None  # the whole step in C++ (kernels.cpp), made at its first use
-        self._llama_decoder = False  # whether it is the LlamaDecoder of kernels built before Decoder
 
     def _note_windows(self):
         sliding = sorted(set(w for w in self.windows if w))
@@ -192,18 +196,9 @@ class Decoder:
         """Whether every step runs in the C++ decoder (its norms, rotary and attention, row by row)."""
         return self._fused(kernel) is not None
 
-    def _plain(self) -> bool:
-        """Whether this is Llama's layer exactly, as the C++ LlamaDecoder of before Decoder ran it."""
-        extras = ("q_norm", "k_norm", "post_attn_norm", "post_ffn_norm")
-        return (KERNEL_ACTIVATIONS.get(self.act_name) == "silu" and self.rotary_dim == self.head_dim
-                and not any(self.windows) and len({id(t) for t in self.tables}) == 1
-                and all(b["qkv"].bias is None and all(b[n] is None for n in extras) for b in self.blocks))
-
     def _fused(self, kernel):
         """The C++ decoder holding this model's weights (shared, not copied), or None if it can't run it."""
-        if self.decoder is not None or kernel is None or self.act_name not in KERNEL_ACTIVATIONS:
-            return self.decoder
-        if hasattr(kernel, "Decoder"):
+        if self.decoder is None and kernel is not None and self.act_name in KERNEL_ACTIVATIONS:
             self.decoder = kernel.Decoder(self.heads, self.kv_heads, self.head_dim, self.eps,
                                           KERNEL_ACTIVATIONS[self.act_name])
             for b, (cos, sin), window in zip(self.blocks, self.tables, self.windows):
@@ -211,12 +206,6 @@ class Decoder:
                                        b["o"].for_kernel(), b["post_attn_norm"], b["norm2"],
                                        b["gate_up"].for_kernel(), b["down"].for_kernel(), b["post_ffn_norm"],
                                        cos, sin, window)
-        elif hasattr(kernel, "LlamaDecoder") and self._plain():  # kernels built before Decoder existed
-            self.decoder = kernel.LlamaDecoder(self.heads, self.kv_heads, self.head_dim, self.eps)
-            for b in self.blocks:
-                self.decoder.add_layer(b["norm1"], b["qkv"].for_kernel(), b["o"].for_kernel(), b["norm2"],
-                                       b["gate_up"].for_kernel(), b["down"].for_kernel())
-            self._llama_decoder = True
         return self.decoder
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -228,10 +217,6 @@ class Decoder:
         if self.embed_scale is not None:
             x = x * self.embed_scale
         if not step.chunks and step.kernel is not None and self._fused(step.kernel) is not None:
-            if self._llama_decoder:  # its one rope table is given at each step
-                cos, sin = self.tables[0]
-                return self.decoder.forward(x, positions, cos, sin, cache.k, cache.v, step.slots,
-                                            step.decode_tables, step.decode_lengths, self.scale)
             return self.decoder.forward(x, positions, cache.k, cache.v, step.slots, step.decode_tables,
                                         step.decode_lengths, self.scale)
         tokens, heads, dim = ids.shape[0], self.heads, self.head_dim

@@ -2,8 +2,6 @@
 tensor names, and Mistral, which is Llama with a sliding window over every layer."""
 from __future__ import annotations
 
-from typing import Optional
-
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.mistral.modeling_mistral import MistralRotaryEmbedding
 
@@ -22,13 +20,6 @@ def llama_layer(tensors: dict, p: str) -> dict:
 
 class Llama(Decoder):
     rotary = LlamaRotaryEmbedding  # default, linear, llama3, yarn…: transformers' own angles
-
-    @classmethod
-    def unsupported(cls, config) -> Optional[str]:
-        # The C++ decoder takes a bias on q/k/v only; Llama's attention_bias puts one on o too.
-        if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
-            return "biases in attention or MLP"
-        return super().unsupported(config)
 
     def layer(self, tensors: dict, p: str) -> dict:
         return llama_layer(tensors, p)

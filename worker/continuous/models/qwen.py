@@ -3,8 +3,6 @@ rotation; a head_dim of its own, wider than hidden / heads in some sizes): Llama
 Sliding layers, where a config turns them on, come from its layer_types (Decoder.window)."""
 from __future__ import annotations
 
-from typing import Optional
-
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
@@ -21,12 +19,6 @@ class Qwen2(Decoder):
 
 class Qwen3(Decoder):
     rotary = Qwen3RotaryEmbedding
-
-    @classmethod
-    def unsupported(cls, config) -> Optional[str]:
-        if getattr(config, "attention_bias", False):  # on o_proj too: the C++ decoder has none there
-            return "biases in attention"
-        return super().unsupported(config)
 
     def layer(self, tensors: dict, p: str) -> dict:
         return dict(llama_layer(tensors, p), q_norm=tensors[p + "self_attn.q_norm.weight"],
