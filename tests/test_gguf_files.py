@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import struct
 
 import gguf
 import numpy as np
@@ -31,10 +32,29 @@ _ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3
 _GGUF_ARCH = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
 
 
+class _TensorReader(gguf.GGUFReader):
+    """gguf's own reader, stepping over the metadata's arrays (the vocabulary, its merges and token
+    types: ~150k values it otherwise views one by one, most of its ~8 s a file here) instead of
+    keeping them. Its tensor table and data, the reference here, are untouched."""
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int):
+        if raw_type != gguf.GGUFValueType.ARRAY:
+            return super()._get_field_parts(orig_offs, raw_type)
+        data = memoryview(self.data)  # one buffer, not one per value
+        item_type, count = struct.unpack_from("<IQ", data, orig_offs)
+        offs = orig_offs + 12
+        if item_type == gguf.GGUFValueType.STRING:
+            for _ in range(count):
+                offs += 8 + struct.unpack_from("<Q", data, offs)[0]
+        else:
+            offs += count * np.dtype(self.gguf_scalar_to_np[gguf.GGUFValueType(item_type)]).itemsize
+        return offs - orig_offs, [], [], [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType(item_type)]
+
+
 def _reference(path: str) -> dict[str, torch.Tensor]:
     """Each tensor of the file by its GGUF name, dequantized by gguf's numpy reference."""
     return {t.name: torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type)))
-            for t in gguf.GGUFReader(path).tensors}
+            for t in _TensorReader(path).tensors}
 
 
 def _hf_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
