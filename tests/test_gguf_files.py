@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import struct
 
 import gguf
 import numpy as np
@@ -31,10 +32,29 @@ _ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3
 _GGUF_ARCH = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
 
 
+class _TensorReader(gguf.GGUFReader):
+    """gguf's own reader, stepping over the metadata's arrays (the vocabulary, its merges and token
+    types: ~150k values it otherwise views one by one, most of its ~8 s a file here) instead of
+    keeping them. Its tensor table and data, the reference here, are untouched."""
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int):
+        if raw_type != gguf.GGUFValueType.ARRAY:
+            return super()._get_field_parts(orig_offs, raw_type)
+        data = memoryview(self.data)  # one buffer, not one per value
+        item_type, count = struct.unpack_from("<IQ", data, orig_offs)
+        offs = orig_offs + 12
+        if item_type == gguf.GGUFValueType.STRING:
+            for _ in range(count):
+                offs += 8 + struct.unpack_from("<Q", data, offs)[0]
+        else:
+            offs += count * np.dtype(self.gguf_scalar_to_np[gguf.GGUFValueType(item_type)]).itemsize
+        return offs - orig_offs, [], [], [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType(item_type)]
+
+
 def _reference(path: str) -> dict[str, torch.Tensor]:
     """Each tensor of the file by its GGUF name, dequantized by gguf's numpy reference."""
     return {t.name: torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type)))
-            for t in gguf.GGUFReader(path).tensors}
+            for t in _TensorReader(path).tensors}
 
 
 def _hf_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -184,8 +204,8 @@ def test_a_requantized_smollm2_keeps_q8_0_and_says_in_one_line_what_it_made_dens
 
 @pytest.mark.slow
 def test_a_gguf_path_loads_with_the_files_name_tokenizer_and_template(family_gguf, tmp_path):
-    path = family_gguf("qwen3", "Q4_K_M")
-    loaded = load(path, dtype="float32", device="cpu", transformers_model=False)
+    path, cache = family_gguf("qwen3", "Q4_K_M"), str(tmp_path / "cache")
+    loaded = load(path, dtype="float32", device="cpu", transformers_model=False, cache_dir=cache)
     assert loaded.name == "qwen3.Q4_K_M" and loaded.model is None
     assert loaded.config.model_type == "qwen3" and "model.layers.1.self_attn.k_norm.weight" in loaded.tensors
     text = "Once upon a time, a knight walked to the castle."
@@ -197,9 +217,13 @@ def test_a_gguf_path_loads_with_the_files_name_tokenizer_and_template(family_ggu
     assert loaded.eos_ids == {loaded.tokenizer.convert_tokens_to_ids("<|im_end|>")}
 
     # a directory holding exactly one GGUF: the same, named after the file; MODEL_NAME overrides
-    os.symlink(path, tmp_path / "story.gguf")
-    assert load(str(tmp_path), device="cpu", transformers_model=False).name == "story"
-    assert load(str(tmp_path), name="teller", device="cpu", transformers_model=False).name == "teller"
+    os.mkdir(tmp_path / "models")
+    os.symlink(path, tmp_path / "models" / "story.gguf")
+    again = load(str(tmp_path / "models"), device="cpu", transformers_model=False, cache_dir=cache)
+    assert again.name == "story" and again.tokenizer(text)["input_ids"] == ids
+    assert len(os.listdir(cache)) == 1  # the tokenizer built once, for the file the link points at
+    assert load(str(tmp_path / "models"), name="teller", device="cpu", transformers_model=False,
+                cache_dir=cache).name == "teller"
 
 
 @pytest.mark.slow
@@ -311,3 +335,17 @@ def test_paths_that_are_not_a_model_are_refused(tmp_path):
         shutil.copy(_tiny_llama(tmp_path / "one.gguf"), tmp_path / name)
     os.remove(tmp_path / "one.gguf")
     assert "a directory of 2 GGUF files (a.gguf, b.gguf)" in _refused(str(tmp_path))
+
+
+def test_a_worker_given_a_bad_file_stops_at_start_with_one_line_and_leaves_nothing_in_redis(
+        tmp_path, real_redis, redis_server):
+    from tests.processes import start
+    whole = open(_tiny_llama(tmp_path / "whole.gguf"), "rb").read()
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(whole[:len(whole) // 2])
+    worker = start(["worker", "--model", str(path)], tmp_path, "worker", REDIS_URL=redis_server.url)
+    assert worker.wait(120) == 1
+    lines = (tmp_path / "worker.err").read_text().strip().splitlines()
+    assert lines[-1].startswith(f"{path}: truncated: tensor "), lines[-3:]
+    assert not any("Traceback" in line for line in lines)
+    assert real_redis.keys("*") == []  # no heartbeat, no queue, no tokenizer: nothing half-started

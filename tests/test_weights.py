@@ -1,4 +1,5 @@
-"""worker/continuous/weights.py: the GGUF reader and the Q4_1 form it keeps.
+"""worker/continuous/weights.py, the Q4_1 and Q8_0 forms the engine keeps, read from the packaged
+SmolLM2 file by worker/continuous/gguf_reader.py (the other families and types: test_gguf_files.py).
 
 References are independent of the code under test: gguf's own reader and numpy dequantizer for the
 blocks, transformers' GGUF loader for names, row order and config, and x @ W.T for the int4 kernel.

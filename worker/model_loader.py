@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from worker.continuous import gguf_reader
@@ -91,9 +92,27 @@ def load(source: str, name: str = "", dtype: str = "auto", device: str = "auto",
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     directory, extra, default_name = resolve(source)
-    where = os.path.join(directory, extra["gguf_file"]) if extra else directory
 
     steps = tqdm(total=3, desc=f"loading {default_name}", unit="step", bar_format="{desc}: {n}/{total} {postfix}")
+    # Log lines (the reader's) go above the bar rather than onto it, and the bar's line is ended
+    # before any error's: a refusal is a line of its own, the last.
+    with steps, logging_redirect_tqdm():
+        model, tokenizer, config, tensors = _read(source, directory, extra, dev, dt, transformers_model,
+                                                  cache_dir, steps)
+        # "loaded", not "ready": the engine (and perhaps a kernel build) comes next; the worker's
+        # "serving ... ready" line at the end of worker/__main__.py is the one that means ready.
+        steps.set_postfix_str("loaded")
+
+    eos = _eos_ids(config, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name or default_name,
+                       context_window=_context_window(config), vocab_size=config.vocab_size,
+                       eos_ids=eos, pad_id=pad, device=dev, dtype=dt, config=config, tensors=tensors)
+
+
+def _read(source, directory, extra, dev, dt, transformers_model, cache_dir, steps):
+    """(transformers' model or None, tokenizer, config, tensors or None), each step on `steps`."""
+    where = os.path.join(directory, extra["gguf_file"]) if extra else directory
     model = tensors = None
     if extra and not transformers_model:
         # The weights first: a file the reader refuses (an architecture, a tensor layout, a
@@ -114,20 +133,10 @@ def load(source: str, name: str = "", dtype: str = "auto", device: str = "auto",
         except (OSError, ValueError, KeyError, NotImplementedError) as exc:
             raise SystemExit(f"--model {source}: transformers cannot load {where}: {_one_line(exc)}") from None
         config = model.config
-    steps.set_postfix_str(f"moving to {dev} as {str(dt).removeprefix('torch.')}")
-    if model is not None:
+        steps.set_postfix_str(f"moving to {dev} as {str(dt).removeprefix('torch.')}")
         model.to(dev).eval()
     steps.update()
-    # "loaded", not "ready": the engine (and perhaps a kernel build) comes next; the worker's
-    # "serving ... ready" line at the end of worker/__main__.py is the one that means ready.
-    steps.set_postfix_str("loaded")
-    steps.close()
-
-    eos = _eos_ids(config, tokenizer)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
-    return LoadedModel(model=model, tokenizer=tokenizer, name=name or default_name,
-                       context_window=_context_window(config), vocab_size=config.vocab_size,
-                       eos_ids=eos, pad_id=pad, device=dev, dtype=dt, config=config, tensors=tensors)
+    return model, tokenizer, config, tensors
 
 
 def resolve(source: str) -> tuple[str, dict, str]:
@@ -175,7 +184,7 @@ def _build_tokenizer(directory: str, extra: dict, cache_dir: str):
     """Building a tokenizer from a GGUF's vocabulary takes ~4 s: keep the result on disk."""
     if not extra or not cache_dir:
         return AutoTokenizer.from_pretrained(directory, **extra)
-    path = os.path.join(directory, extra["gguf_file"])
+    path = os.path.realpath(os.path.join(directory, extra["gguf_file"]))  # a link shares its file's
     stat = os.stat(path)
     key = hashlib.sha256(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     cached = os.path.join(os.path.expanduser(cache_dir), f"tokenizer-{key}")
