@@ -93,7 +93,7 @@ def kernel():
 @pytest.fixture(scope="session")
 def family_gguf(smollm2_tokenizer):
     """family_gguf(kind, qtype="F16"): the path of the tiny `kind` model (tests/tiny_models.FAMILIES)
-    as a GGUF file of `qtype` (tests/gguf_files.TYPES: F16, Q8_0, Q4_0, Q4_K_M, Q5_K_M, Q6_K)."""
+    as a GGUF file of `qtype` (tests/gguf_files.TYPES: F16, BF16, Q8_0, Q4_0, Q4_K_M, Q5_K_M, Q6_K)."""
     from tests import gguf_files
     return lambda kind, qtype="F16": str(gguf_files.family_gguf(kind, smollm2_tokenizer, qtype))
 

@@ -19,7 +19,7 @@ The header is parsed with transformers' GGUF reader, which skips over the vocabu
 instead of building a numpy view per string as `gguf.GGUFReader` does (most of its time). Its
 tensor table is read with the same module's functions but sized here from gguf's own block table,
 since transformers' `GgufHeader` refuses types it cannot dequantize itself (Q5_0, which
-llama.cpp's Q4_K_M uses where K-blocks do not fit). The config: config.py beside this file.
+llama.cpp's Q4_K_M uses where K-blocks do not fit). The config: gguf_config.py beside this file.
 """
 from __future__ import annotations
 
@@ -56,10 +56,11 @@ _LAYER_NAMES = {
     # Phi-3 keeps its fused projections: ffn_up is gate_up_proj (gate rows first), attn_qkv qkv_proj.
     "phi3": {**_COMMON, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
 }
-ARCHITECTURES = tuple(_LAYER_NAMES)
 # Tensors llama.cpp generates from the config rather than converts, read into the config instead
 # (gguf_config.py checks them against what transformers computes from it).
 CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+# Values, not blocks: read as float32 without counting as "made dense".
+_FLOATS = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
 
 
 class TensorEntry(NamedTuple):
@@ -91,7 +92,7 @@ def read_gguf(path: str):
     # The decoding is numpy's, single-threaded on purpose: torch's thread pool spends most of its time
     # waiting at barriers when other processes want the same cores (many times slower on two busy
     # cores), and this is hundreds of small operations.
-    tensors, dense = {}, Counter()
+    tensors, dense, file_bytes, dense_bytes = {}, Counter(), 0, 0
     for entry in entries:
         if entry.name in CONFIG_TENSORS:
             continue
@@ -102,23 +103,16 @@ def read_gguf(path: str):
             tensor = tensor - 1  # Gemma3Model.norm_shift
         if not isinstance(tensor, (Q41, Q80)) and entry.ggml_type not in _FLOATS:
             dense[gguf.GGMLQuantizationType(entry.ggml_type).name] += 1
-            dense["file bytes"] += entry.nbytes
-            dense["dense bytes"] += tensor.numel() * tensor.element_size()
+            file_bytes += entry.nbytes
+            dense_bytes += tensor.numel() * tensor.element_size()
         tensors[name] = tensor
     if dense:
-        _log_dense(path, dense)
+        types = ", ".join(f"{count} {kind}" for kind, count in sorted(dense.items()))
+        log.warning("%s: %s tensors made dense float32 at load (the engine has no kernels for these types "
+                    "yet): %.1f MiB in memory for their %.1f MiB in the file", os.path.basename(path), types,
+                    dense_bytes / 2**20, file_bytes / 2**20)
     return config, tensors
 
-
-_FLOATS = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
-
-
-def _log_dense(path: str, dense: Counter) -> None:
-    file_bytes, dense_bytes = dense.pop("file bytes"), dense.pop("dense bytes")
-    types = ", ".join(f"{count} {name}" for name, count in sorted(dense.items()))
-    log.warning("%s: %s tensors made dense float32 at load (the engine has no kernels for these types "
-                "yet): %.1f MiB in memory for their %.1f MiB in the file", os.path.basename(path), types,
-                dense_bytes / 2**20, file_bytes / 2**20)
 
 
 def _read_header(path: str):
