@@ -208,7 +208,7 @@ def test_longrope_caps_the_context_where_the_short_factors_apply(tmp_path, smoll
         engine.add(job("long", prompt(64)))
 
 
-def test_gemma3s_multimodal_config_runs_its_text_part(loaded_family):
+def test_gemma3s_multimodal_config_runs_its_text_part(loaded_family, caplog):
     """A "gemma3" config (the multimodal model's) with its text model's tensors under
     model.language_model.*: the same model as gemma3_text."""
     loaded = loaded_family("gemma3")
@@ -216,7 +216,9 @@ def test_gemma3s_multimodal_config_runs_its_text_part(loaded_family):
                for n, t in loaded.weights().items()}
     config = Gemma3Config(text_config=loaded.config.to_dict())
     assert models.unsupported(config) is None
-    engine = continuous.build(loaded, NO_KERNELS, tensors, config)
+    with caplog.at_level(logging.INFO, logger="worker.continuous.engine"):
+        engine = continuous.build(loaded, NO_KERNELS, tensors, config)
+    assert "its text model runs, images are not read" in caplog.text
     text = build(loaded, NO_KERNELS)
     jobs = [job("a", prompt(30))]
     assert write_with_logits(engine, jobs)[0] == write_with_logits(text, jobs)[0]

@@ -37,6 +37,8 @@ class Gemma3(Decoder):
 
     def __init__(self, config, tensors: dict, *args, **kwargs):
         super().__init__(*text_part(config, tensors), *args, **kwargs)
+        if getattr(config, "text_config", None) is not None:
+            self.notes.append("Gemma 3 with a vision tower: its text model runs, images are not read")
 
     @staticmethod
     def activation(config) -> str:
