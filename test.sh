@@ -31,4 +31,7 @@ need prometheus prometheus
 need docker-compose docker-compose
 need dockerd docker.io
 need mmdebstrap mmdebstrap
+# tests/gguf_files.py builds llama.cpp's quantizer from its source where ../shared/bin has none.
+need cmake cmake
+need g++ g++
 exec .venv/bin/python -m pytest "$@"

@@ -39,36 +39,68 @@ SMOLLM2_TYPES = ("Q4_K_M", "Q8_0", "Q4_0")
 
 
 def quantizer() -> Path:
-    """llama.cpp's llama-quantize: $LLAMA_QUANTIZE, or the portable build beside the repository."""
-    path = Path(os.environ.get("LLAMA_QUANTIZE", REPO.parent / "shared" / "bin" / "llama-quantize"))
-    if not os.access(path, os.X_OK):
-        raise FileNotFoundError(f"llama-quantize not found at {path} (set LLAMA_QUANTIZE)")
-    return path
+    """llama.cpp's llama-quantize: $LLAMA_QUANTIZE, or the portable build beside the repository
+    (../shared/bin), or else one built here from the same source distribution, once per machine
+    (cmake, a few minutes on 2 cores): a clone with nothing beside it still makes its files."""
+    given = os.environ.get("LLAMA_QUANTIZE")
+    path = Path(given) if given else REPO.parent / "shared" / "bin" / "llama-quantize"
+    if os.access(path, os.X_OK):
+        return path
+    if given:
+        raise FileNotFoundError(f"LLAMA_QUANTIZE={given}: not an executable")
+    return _built_quantizer()
 
 
-def converter() -> Path:
-    """The directory holding convert_hf_to_gguf.py, its conversion/ package and gguf-py, unpacked
-    from the llama-cpp-python sdist (76 MB, fetched with the venv's pip once per machine)."""
-    target = CACHE / f"llama.cpp-converter-{CONVERTER_VERSION}"
-    if (target / "convert_hf_to_gguf.py").is_file():
+def _sdist() -> Path:
+    """llama-cpp-python's source distribution (76 MB), fetched with the venv's pip once per machine."""
+    target = CACHE / f"llama_cpp_python-{CONVERTER_VERSION}.tar.gz"
+    if target.is_file():
         return target
     CACHE.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
         subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
                         f"llama-cpp-python=={CONVERTER_VERSION}", "-d", tmp], check=True)
-        sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
-        prefix = f"llama_cpp_python-{CONVERTER_VERSION}/vendor/llama.cpp/"
-        wanted = (prefix + "convert_hf_to_gguf.py", prefix + "conversion/", prefix + "gguf-py/")
+        os.replace(next(Path(tmp).glob("llama_cpp_python-*.tar.gz")), target)
+    return target
+
+
+def _unpack(target: Path, wanted: tuple[str, ...]) -> Path:
+    """The sdist's vendor/llama.cpp paths starting with `wanted` (all of it for ""), as `target`."""
+    prefix = f"llama_cpp_python-{CONVERTER_VERSION}/vendor/llama.cpp/"
+    with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
         unpacked = Path(tmp) / "unpacked"
-        with tarfile.open(sdist) as archive:
-            members = [m for m in archive.getmembers() if m.name.startswith(wanted)]
+        with tarfile.open(_sdist()) as archive:
+            members = [m for m in archive.getmembers() if m.name.startswith(tuple(prefix + w for w in wanted))]
             archive.extractall(unpacked, members=members, filter="data")
         try:
             os.replace(unpacked / prefix, target)
         except OSError:  # another run was first
-            if not (target / "convert_hf_to_gguf.py").is_file():
+            if not target.is_dir():
                 raise
     return target
+
+
+def _built_quantizer() -> Path:
+    """llama-quantize built from the sdist as ../shared/bin's was (portable, static)."""
+    source = CACHE / f"llama.cpp-source-{CONVERTER_VERSION}"
+    binary = source / "build" / "bin" / "llama-quantize"
+    if os.access(binary, os.X_OK):
+        return binary
+    if not (source / "CMakeLists.txt").is_file():
+        _unpack(source, ("",))
+    print(f"building llama-quantize from llama-cpp-python {CONVERTER_VERSION}'s source (once)...", flush=True)
+    _run(["cmake", "-S", str(source), "-B", str(source / "build"), "-DCMAKE_BUILD_TYPE=Release",
+          "-DGGML_NATIVE=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF"])
+    _run(["cmake", "--build", str(source / "build"), "--target", "llama-quantize", "-j", str(os.cpu_count() or 2)])
+    return binary
+
+
+def converter() -> Path:
+    """The directory holding convert_hf_to_gguf.py, its conversion/ package and gguf-py."""
+    target = CACHE / f"llama.cpp-converter-{CONVERTER_VERSION}"
+    if (target / "convert_hf_to_gguf.py").is_file():
+        return target
+    return _unpack(target, ("convert_hf_to_gguf.py", "conversion/", "gguf-py/"))
 
 
 # The converter run in a wrapper for one reason: transformers tokenizes a qwen2 directory with Qwen's

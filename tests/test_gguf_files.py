@@ -129,7 +129,7 @@ _NEEDED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attenti
            "eos_token_id", "query_pre_attn_scalar", "sliding_window", "final_logit_softcapping",
            "attention_bias", "hidden_activation", "hidden_act", "original_max_position_embeddings")
 # What no GGUF of this family says, lost for llama.cpp too (gguf_config.py's docstring).
-_LOST = {"mistral": {"sliding_window"}, "gemma3": {"layer_types"}}
+_LOST = {"mistral": {"sliding_window"}}
 
 
 @pytest.mark.slow
@@ -155,8 +155,8 @@ def test_config_is_the_directorys_and_transformers_where_it_maps_the_key(family_
         "gemma3": {"query_pre_attn_scalar"}, "phi3": {"rope_parameters"}}[kind]
     if kind == "mistral":  # arch "llama": llama.cpp has no sliding window for it either
         assert ours.model_type == "llama" and getattr(ours, "sliding_window", None) is None
-    if kind == "gemma3":  # llama.cpp's pattern (every 6th layer global), not the tiny model's own
-        assert ours.layer_types == ["sliding_attention", "sliding_attention"]
+    if kind == "gemma3":  # llama.cpp's pattern, every 6th layer global, which is Gemma 3's own
+        assert ours.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
         assert ours.rope_parameters["sliding_attention"]["rope_theta"] == 10000.0
 
 
@@ -349,3 +349,29 @@ def test_a_worker_given_a_bad_file_stops_at_start_with_one_line_and_leaves_nothi
     assert lines[-1].startswith(f"{path}: truncated: tensor "), lines[-3:]
     assert not any("Traceback" in line for line in lines)
     assert real_redis.keys("*") == []  # no heartbeat, no queue, no tokenizer: nothing half-started
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_the_f16_files_greedy_text_is_the_directorys(family_gguf, family_gguf_source, kind, kernel):
+    """On the continuous engine (float32, the C++ decoder), the F16 file writes what its directory
+    writes, greedy, for prompts of several lengths together. Every prompt and its reply stay inside
+    the tiny models' sliding windows (mistral's 24, gemma3's 16): the converter writes Mistral
+    without its window (_LOST), as llama.cpp runs it."""
+    from shared.protocol import Job, SamplingParams
+    from shared.settings import Settings
+    from tests.engines import write
+    from worker.continuous import engine as continuous
+
+    written = []
+    for source in (family_gguf_source(kind), family_gguf(kind, "F16")):
+        loaded = load(source, dtype="float32", device="cpu", transformers_model=False)
+        engine = continuous.build(loaded, Settings(block_size=4, prefill_chunk=8), loaded.weights(), loaded.config)
+        assert engine is not None and engine.numerics.endswith("+invariant"), source
+        prompts = ["Once upon a time", "The dragon slept in the forest, dreaming of gold", "A knight"]
+        jobs = [Job(id=f"j{i}", model=loaded.name, prompt_ids=loaded.tokenizer(p, add_special_tokens=False).input_ids,
+                    params=SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), timeout_s=60)
+                for i, p in enumerate(prompts)]
+        assert max(len(j.prompt_ids) for j in jobs) + 5 <= 16
+        written.append([seq.output_ids for seq in write(engine, jobs)])
+    assert written[0] == written[1] and all(len(ids) == 5 for ids in written[0])

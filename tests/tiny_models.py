@@ -88,10 +88,11 @@ def family_config(kind: str, vocab_size: int, eos_id: int, pad_id: int, bos_id: 
             rope_type="default", rope_theta=1000000.0))
     if kind == "qwen3":  # q/k norms; head_dim wider than hidden / heads
         return Qwen3Config(**common, head_dim=96, tie_word_embeddings=True)
-    if kind == "gemma3":  # local (sliding) and global layers, each with a rope of its own
-        return Gemma3TextConfig(**common, head_dim=64, sliding_window=16, query_pre_attn_scalar=64,
-                                layer_types=["sliding_attention", "full_attention"],
-                                tie_word_embeddings=True)
+    if kind == "gemma3":  # local (sliding) and global layers, each with a rope of its own: 6 layers,
+        # the last global, Gemma 3's own pattern, which is all a GGUF file can say (llama.cpp takes
+        # every 6th layer as global): its file is then the same model as its directory
+        return Gemma3TextConfig(**dict(common, num_hidden_layers=6), head_dim=64, sliding_window=16,
+                                query_pre_attn_scalar=64, tie_word_embeddings=True)
     if kind == "phi3":  # fused qkv and gate_up; rotary over part of each head (Phi-4-mini: 0.75)
         return Phi3Config(**common, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
                                                          partial_rotary_factor=0.75),
