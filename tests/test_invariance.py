@@ -4,7 +4,10 @@ On the packaged SmolLM2 with the default settings (its GGUF blocks, the default 
 not only on tiny random models, whose path differs: the kernel's bits for one row at every step
 size and place in the step, a prompt's cache blocks however it was chunked, and a crowd of
 requests arriving at random steps, with shared prefixes, preemption, greedy and seeded, streamed
-and not, each writing exactly what it writes alone.
+and not, each writing exactly what it writes alone. And the same on the packaged file requantized by
+llama.cpp's quantizer to what users download (Q4_K_M, Q8_0, Q4_0: their K-quant and Q4_0 tensors
+made dense at load, on csrc/dense_panels.h): each says "+invariant" and its crowd, with preemption,
+writes what each request writes alone.
 """
 from __future__ import annotations
 
@@ -17,7 +20,8 @@ from shared.protocol import Job, SamplingParams
 from shared.settings import Settings
 from tests.engines import run_until_idle, write, write_arriving
 from worker.continuous import engine as continuous
-from worker.continuous.linear import EVERY_STEP, Linear
+from tests.gguf_files import SMOLLM2_TYPES
+from worker.continuous.linear import EVERY_STEP, INVARIANT, Linear
 from worker.continuous.weights import Q41, Q80
 from worker.model_loader import PACKAGED, load
 
@@ -36,10 +40,9 @@ def _engine(loaded, **settings):
     return continuous.build(loaded, Settings(**settings), loaded.weights(), loaded.config)
 
 
-@pytest.fixture(scope="module")
-def alone(smollm2):
+def _alone(loaded):
     """What each request writes alone: an engine of its own, idle between requests, no prefix cache."""
-    engine = _engine(smollm2, prefix_caching=False)
+    engine = _engine(loaded, prefix_caching=False)
     cache = {}
 
     def write(job: Job):
@@ -52,10 +55,40 @@ def alone(smollm2):
     return write
 
 
+@pytest.fixture(scope="module")
+def alone(smollm2):
+    return _alone(smollm2)
+
+
+@pytest.fixture(scope="module", params=SMOLLM2_TYPES)
+def requantized(request, smollm2_gguf):
+    """(the packaged SmolLM2 requantized to the param by llama-quantize, loaded as the worker loads
+    it; what each request writes alone on it)."""
+    loaded = load(smollm2_gguf(request.param), dtype="auto", device="cpu", transformers_model=False)
+    return loaded, _alone(loaded)
+
+
 def test_the_default_worker_is_batch_invariant_and_says_so(smollm2):
     engine = _engine(smollm2)
     assert engine.numerics.endswith("+invariant"), engine.numerics
-    assert all(layer.small == "int8-vnni-panels" and layer.weight is None for layer in engine.runner.model.linears())
+    # Its Q4_1 and Q8_0 blocks on an integer kernel (VNNI panels, or AVX2 where the CPU has no VNNI).
+    assert all(layer.small in INVARIANT and layer.small != "dense-panels" and layer.weight is None
+               for layer in engine.runner.model.linears())
+
+
+def test_a_requantized_file_is_batch_invariant_and_says_so(requantized):
+    """Every product on a kernel with the same bits at every step size, and the fingerprint names
+    the paths: the integer kernels for Q8_0 tensors, the dense panels for the ones made dense."""
+    loaded, _ = requantized
+    engine = _engine(loaded)
+    assert engine.numerics.endswith("+invariant"), engine.numerics
+    linears = engine.runner.model.linears()
+    assert all(layer.small in INVARIANT and layer.weight is None for layer in linears), \
+        {(layer.small, layer.weight is None) for layer in linears}
+    paths = {layer.small for layer in linears}
+    assert all(path in engine.numerics for path in paths), (paths, engine.numerics)
+    # Q4_K_M mixes Q4_K and Q6_K tensors, Q4_0 has Q4_0 ones: made dense at load, on the panels.
+    assert "dense-panels" in paths, paths
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
@@ -136,6 +169,24 @@ def test_a_crowd_writes_what_each_request_writes_alone(smollm2, alone, pool):
         assert stats["preempted"] > 0
     differ = [job.id for _, job in jobs if (seqs[job.id].output_ids, seqs[job.id].text) != alone(job)]
     assert not differ, f"{len(differ)} of {len(jobs)} wrote other text than alone: {differ}"
+
+
+def test_a_requantized_files_crowd_writes_what_each_request_writes_alone(requantized):
+    """On each file, a crowd arriving close together, greedy and seeded, streamed and not, with
+    shared prefixes and a pool small enough to force preemption: each writes what it writes alone.
+    Smaller than the packaged file's crowds (12 requests arriving in 6 steps, not 104 in 60): the
+    dense panels are slower than the integer kernels. Each writes 20-28 tokens, past the one block
+    of margin it is admitted with, so the running ones outgrow the pool and the newest is preempted."""
+    loaded, alone = requantized
+    jobs = [(step // 12, Job(id=job.id, model=job.model, prompt_ids=job.prompt_ids, timeout_s=job.timeout_s,
+                             stream=job.stream, params=SamplingParams(**{**vars(job.params), "max_tokens": 20 + i % 3 * 4})))
+            for i, (step, job) in enumerate(_crowd(loaded, 12, seed=8))]
+    engine = _engine(loaded, kv_blocks=12, max_stretch=0)
+    seqs = write_arriving(engine, jobs)
+    stats = engine.stats()
+    assert stats["prefix_hit_blocks"] > 0 and stats["preempted"] > 0, stats
+    differ = [job.id for _, job in jobs if (seqs[job.id].output_ids, seqs[job.id].text) != alone(job)]
+    assert not differ, f"{loaded.name}: {len(differ)} of {len(jobs)} wrote other text than alone: {differ}"
 
 
 def test_an_engine_built_again_writes_the_same_texts(smollm2, alone):

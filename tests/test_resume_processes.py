@@ -3,14 +3,17 @@ to the queue with their records of written tokens, and the other worker continue
 stream, greedy and seeded, ends whole with exactly the text it writes undisturbed, and the
 survivor's metrics show that it did not decode the written part again.
 
-Two pools: tiny-Llama workers in float32, and (slow) two default workers, as a new user starts them:
-the packaged SmolLM2 GGUF with the default dtype and kernels.
+Three pools: tiny-Llama workers in float32; (slow) two default workers, as a new user starts them:
+the packaged SmolLM2 GGUF with the default dtype and kernels; and (slow) two workers on that file
+requantized to Q4_K_M by llama.cpp's quantizer (the common download: its Q4_K, Q5_0 and Q6_K tensors
+made dense at load), started with MODEL=<the file> and serving it by the file's stem.
 """
 from __future__ import annotations
 
 import signal
 import threading
 import time
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, NamedTuple
 
@@ -37,13 +40,18 @@ class Pool(NamedTuple):
     load_s: float  # how long its workers may take to start
 
 
-@pytest.fixture(params=["tiny-llama", pytest.param("smollm2", marks=pytest.mark.slow)])
+@pytest.fixture(params=["tiny-llama", pytest.param("smollm2", marks=pytest.mark.slow),
+                        pytest.param("smollm2-q4_k_m", marks=[pytest.mark.slow, pytest.mark.timeout(420)])])
 def pool(request, tiny_model_dirs) -> Pool:
     if request.param == "tiny-llama":
         return Pool(MODEL, 48, lambda server, log_dir, name, port: tiny_worker(
             tiny_model_dirs["llama"], server, log_dir, name, "--metrics-port", str(port), **SLOW),
             load_s=90)
     request.getfixturevalue("kernel")  # built once, before two workers would each build it
+    if request.param == "smollm2-q4_k_m":
+        path = Path(request.getfixturevalue("smollm2_gguf")("Q4_K_M"))
+        return Pool(path.stem, 40, lambda server, log_dir, name, port: default_worker(
+            server.url, log_dir, name, "--metrics-port", str(port), MODEL=str(path), **SLOW), load_s=300)
     return Pool(PACKAGED_NAME, 40, lambda server, log_dir, name, port: default_worker(
         server.url, log_dir, name, "--metrics-port", str(port), **SLOW), load_s=180)
 

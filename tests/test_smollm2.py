@@ -1,4 +1,6 @@
-"""The real thing: the packaged SmolLM2-135M-Instruct loads offline and writes an English story."""
+"""The real thing: the packaged SmolLM2-135M-Instruct loads offline and writes an English story;
+so does that file requantized by llama.cpp's quantizer to what users download (Q4_K_M, Q8_0, Q4_0),
+each served by a worker started with MODEL=<the file>."""
 from __future__ import annotations
 
 import re
@@ -7,7 +9,10 @@ import pytest
 import torch
 
 from shared.protocol import Job, SamplingParams
+from pathlib import Path
+
 from tests.engines import write
+from tests.gguf_files import SMOLLM2_TYPES
 from tests.processes import default_worker, make_client, models_served, start_api, stop, wait_until
 from shared.settings import Settings
 from worker.continuous import engine as continuous
@@ -66,6 +71,49 @@ def test_the_default_service_tells_stories_to_the_openai_client(redis_server, tm
             model=PACKAGED_NAME, prompt="Once upon a time, a dragon", max_tokens=60, temperature=0.7, seed=1,
             stream=True, extra_body={"ignore_eos": True}) if chunk.choices)
         _assert_english_story("Once upon a time, a dragon" + streamed, "dragon")
+    finally:
+        stop(api), stop(worker)
+
+
+# Q4_0 at the worker's default dtype on a bfloat16 CPU writes "Once upona_m_d_n_d_w_r_d_w_r..." (the
+# same file in float32 writes a story; Q4_K_M and Q8_0 in bfloat16 do too): a worker bug, reported
+# with its reproduction; strict, so the test says when it is fixed.
+Q4_0_BF16 = pytest.mark.xfail(strict=True, reason="Q4_0 made dense runs to gibberish in bfloat16 (float32 is right)")
+
+
+@pytest.mark.parametrize("qtype", [pytest.param(q, marks=Q4_0_BF16) if q == "Q4_0" else q for q in SMOLLM2_TYPES])
+def test_a_requantized_file_tells_stories_to_the_openai_client(qtype, smollm2_gguf, smollm2_tokenizer, redis_alone,
+                                                                 tmp_path):
+    """A worker on the file (MODEL=<path>): it serves the file's stem, and its chat and completion
+    answers are English with the right finish_reason and token counts."""
+    path = Path(smollm2_gguf(qtype))
+    name = path.stem  # SmolLM2-135M-Instruct.Q4_K_M: the model's name is the file's stem
+    worker = default_worker(redis_alone.url, tmp_path, "worker", MODEL=str(path), OMP_NUM_THREADS="2")
+    port, api = start_api(redis_alone, tmp_path, "api")
+    try:
+        wait_until(lambda: name in models_served(port), [worker, api], f"{name} to load", timeout=240)
+        assert models_served(port) == {name}
+        client = make_client(port)
+        assert [m.id for m in client.models.list().data] == [name]
+        messages = [{"role": "user", "content": "Tell a short story about a knight and a castle."}]
+        chat = client.chat.completions.create(model=name, max_tokens=80, temperature=0, messages=messages)
+        story, usage = chat.choices[0].message.content, chat.usage
+        _assert_english_story(story, "knight")
+        prompt_ids = smollm2_tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        prompt_ids = getattr(prompt_ids, "input_ids", prompt_ids)  # a BatchEncoding in newer transformers
+        assert chat.model == name and usage.prompt_tokens == len(prompt_ids)
+        assert 0 < usage.completion_tokens <= 80 and usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+        assert chat.choices[0].finish_reason == ("length" if usage.completion_tokens == 80 else "stop"), usage
+        if chat.choices[0].finish_reason == "length":
+            # cut at max_tokens: all 80 tokens are in the text (SmolLM2's words tokenize back alike)
+            assert abs(len(smollm2_tokenizer(story, add_special_tokens=False).input_ids) - 80) <= 2, story
+
+        prompt = "Once upon a time, a dragon"
+        text = client.completions.create(model=name, prompt=prompt, max_tokens=40, temperature=0.7, seed=1,
+                                         extra_body={"ignore_eos": True})
+        _assert_english_story(prompt + text.choices[0].text, "dragon")
+        assert text.choices[0].finish_reason == "length" and text.usage.completion_tokens == 40
+        assert text.usage.prompt_tokens == len(smollm2_tokenizer(prompt).input_ids)
     finally:
         stop(api), stop(worker)
 
