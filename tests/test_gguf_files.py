@@ -97,6 +97,8 @@ def test_every_tensor_equals_ggufs_dequantization(family_gguf, family_gguf_sourc
             expected = expected - 1
         if qtype == "Q8_0" and expected.ndim == 2:  # the engine's kernels take these blocks as they are
             assert isinstance(tensor, Q80), name
+        if qtype == "Q4_0" and expected.ndim == 2 and name.startswith("model.layers."):
+            assert isinstance(tensor, Q41), name  # d * (q - 8) as Q4_1's d * q + m, exactly (below)
         dense = _dense(tensor)
         assert dense.dtype == torch.float32 and dense.shape == expected.shape, name
         assert torch.equal(dense, expected.reshape(dense.shape)), name
@@ -176,18 +178,22 @@ def test_llama3_rope_scaling_is_recovered_from_rope_freqs(factor, context):
         _check_llama3("f.gguf", config, divisors[::-1].copy())
 
 
-def test_fuse_keeps_q4_1_stacked_and_makes_mixed_types_dense():
+def test_fuse_keeps_one_quantized_type_stacked_and_makes_mixed_types_dense():
     a, b = quantize_q4_1(torch.randn(32, 64)), quantize_q4_1(torch.randn(16, 64))
     q80 = Q80(q=torch.randint(-128, 128, (16, 64), dtype=torch.int8), d=torch.rand(16, 2))
+    q80b = Q80(q=torch.randint(-128, 128, (32, 64), dtype=torch.int8), d=torch.rand(32, 2))
     dense = torch.randn(16, 64)
     assert isinstance(fuse([a, b]), Q41) and torch.equal(fuse([a, b]).dequantize(),
                                                          torch.cat([a.dequantize(), b.dequantize()]))
+    # a Q8_0 file's q/k/v and gate/up stay Q8_0, for the integer kernel, not made dense
+    assert isinstance(fuse([q80, q80b]), Q80) and torch.equal(fuse([q80, q80b]).dequantize(),
+                                                             torch.cat([q80.dequantize(), q80b.dequantize()]))
     mixed = fuse([a, q80, dense])  # a Q4_K_M file's q/k/v can be three types
     assert torch.equal(mixed, torch.cat([a.dequantize(), q80.dequantize(), dense]))
 
 
 @pytest.mark.slow
-def test_a_requantized_smollm2_keeps_q8_0_and_says_in_one_line_what_it_made_dense(smollm2_gguf, caplog):
+def test_a_requantized_smollm2_keeps_q8_0_and_q4_0_and_says_in_one_line_what_it_made_dense(smollm2_gguf, caplog):
     _, tensors = read_gguf(smollm2_gguf("Q8_0"))
     assert all(isinstance(t, Q80) for t in tensors.values() if len(t.shape) == 2)
     with caplog.at_level("WARNING", logger="worker.continuous.gguf_reader"):
@@ -198,6 +204,10 @@ def test_a_requantized_smollm2_keeps_q8_0_and_says_in_one_line_what_it_made_dens
     assert "SmolLM2-135M-Instruct.Q4_K_M.gguf: 16 Q4_K, 166 Q5_0, 14 Q6_K tensors made dense" in lines[0]
     assert "MiB in memory for their" in lines[0]
     assert sum(not isinstance(t, (Q41, Q80)) and t.ndim == 2 for t in tensors.values()) == 196
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="worker.continuous.gguf_reader"):
+        _, tensors = read_gguf(smollm2_gguf("Q4_0"))  # Q4_0 is Q4_1 with m = -8 d: nothing made dense
+    assert not caplog.records and all(isinstance(t, (Q41, Q80)) for t in tensors.values() if len(t.shape) == 2)
 
 
 # --- the loader ---------------------------------------------------------------------------------------

@@ -75,13 +75,9 @@ def test_the_default_service_tells_stories_to_the_openai_client(redis_server, tm
         stop(api), stop(worker)
 
 
-# Q4_0 at the worker's default dtype on a bfloat16 CPU writes "Once upona_m_d_n_d_w_r_d_w_r..." (the
-# same file in float32 writes a story; Q4_K_M and Q8_0 in bfloat16 do too): a worker bug, reported
-# with its reproduction; strict, so the test says when it is fixed.
-Q4_0_BF16 = pytest.mark.xfail(strict=True, reason="Q4_0 made dense runs to gibberish in bfloat16 (float32 is right)")
 
 
-@pytest.mark.parametrize("qtype", [pytest.param(q, marks=Q4_0_BF16) if q == "Q4_0" else q for q in SMOLLM2_TYPES])
+@pytest.mark.parametrize("qtype", SMOLLM2_TYPES)
 def test_a_requantized_file_tells_stories_to_the_openai_client(qtype, smollm2_gguf, smollm2_tokenizer, redis_alone,
                                                                  tmp_path):
     """A worker on the file (MODEL=<path>): it serves the file's stem, and its chat and completion

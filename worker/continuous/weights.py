@@ -20,12 +20,14 @@ import torch
 GROUP = 32  # Q4_1 and Q8_0 blocks: 32 weights along the input dimension share a scale
 PANEL = 16  # output features csrc/panels.h takes together (one int32 lane each)
 
+_Q40_BLOCK = 18  # float16 d, 16 bytes of nibbles
 _Q41_BLOCK = 20  # float16 d, float16 m, 16 bytes of nibbles
 _Q80_BLOCK = 34  # float16 d, 32 int8
 
 _F32, _F16, _BF16 = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
                      gguf.GGMLQuantizationType.BF16)
-_Q4_1, _Q8_0 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
+_Q4_0, _Q4_1, _Q8_0 = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1,
+                       gguf.GGMLQuantizationType.Q8_0)
 _NUMPY_FLOAT = {_F32: np.float32, _F16: np.float16}
 
 
@@ -115,6 +117,11 @@ class Q80:
         rows, cols = self.shape
         return (self.q.reshape(rows, cols // GROUP, GROUP).float() * self.d[..., None]).reshape(rows, cols)
 
+    @staticmethod
+    def cat(parts: list[Q80]) -> Q80:
+        """The matrices stacked along rows (output features): a fused QKV or gate-up projection."""
+        return Q80(q=torch.cat([p.q for p in parts]), d=torch.cat([p.d for p in parts]))
+
 
     def int8_packed(self) -> torch.Tensor:
         """uint8 [N, K // 32 * 34]: the file's Q8_0 bytes in csrc/int8.h's order, per chunk of 2
@@ -157,10 +164,11 @@ def _chunked(parts: list[torch.Tensor], groups: int) -> torch.Tensor:
     return torch.cat(pieces, dim=1).contiguous()
 
 
-def fuse(parts: list) -> Union[torch.Tensor, Q41]:
+def fuse(parts: list) -> Union[torch.Tensor, Quantized]:
     """Weights stacked by output rows (QKV, gate and up): one matrix product instead of several."""
-    if all(isinstance(p, Q41) for p in parts):
-        return Q41.cat(parts)
+    for kind in (Q41, Q80):  # one type throughout: stacked as it is, for that type's kernels
+        if all(isinstance(p, kind) for p in parts):
+            return kind.cat(parts)
     return torch.cat([p.dequantize() if isinstance(p, (Q41, Q80)) else p for p in parts])
 
 
@@ -190,6 +198,10 @@ def decode(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> torch.Ten
     `shape` (torch order), in memory of its own rather than the file's mapping."""
     if ggml_type == _Q4_1:
         return _unpack_q4_1(raw, *shape)
+    if ggml_type == _Q4_0:
+        as_q4_1 = _unpack_q4_0(raw, *shape)
+        if as_q4_1 is not None:
+            return as_q4_1
     if ggml_type == _Q8_0:
         return _unpack_q8_0(raw, *shape)
     if ggml_type in (_F32, _F16):
@@ -197,7 +209,7 @@ def decode(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> torch.Ten
     if ggml_type == _BF16:  # numpy has no bfloat16: widen the bits to float32's by hand
         bits = np.ascontiguousarray(raw).view(np.uint16).astype(np.uint32) << 16
         return torch.from_numpy(bits.view(np.float32)).view(shape)
-    # Every other type (Q4_0, Q5_0, the K-quants, ...) is made dense by gguf's numpy reference, the
+    # Every other type (Q5_0, the K-quants, ...) is made dense by gguf's numpy reference, the
     # same code transformers' loader and the tests' references use; kernels for them come later.
     return torch.from_numpy(gguf.quants.dequantize(np.ascontiguousarray(raw), ggml_type)).view(shape)
 
@@ -211,6 +223,23 @@ def _unpack_q4_1(raw: np.ndarray, rows: int, cols: int) -> Q41:
     q = np.empty((rows, cols // GROUP, 2, GROUP // 2), dtype=np.uint8)
     np.bitwise_and(nibbles, 0x0F, out=q[:, :, 0])
     np.right_shift(nibbles, 4, out=q[:, :, 1])
+    return Q41(q=torch.from_numpy(q).view(rows, cols), d=torch.from_numpy(d), m=torch.from_numpy(m))
+
+
+def _unpack_q4_0(raw: np.ndarray, rows: int, cols: int) -> Q41 | None:
+    """Q4_0 (w = d * (q - 8)) as the Q4_1 it is: d * q + m with m = -8 d. Exactly: -8 d is d with
+    its exponent moved (a float16 still, which the Q4_1 kernels read), and d * q + m is exact in
+    float32 (11 + 4 bits), so these weights are the file's own, bit for bit, on the Q4_1 kernels
+    instead of rounded to bf16 in a dense copy (which measured 4x the Q4_K_M file's divergence from
+    float32). None where -8 d would overflow float16: then it is made dense like other types."""
+    blocks = raw.reshape(rows, cols // GROUP, _Q40_BLOCK)
+    d = blocks[..., 0:2].view(np.float16)[..., 0].astype(np.float32)
+    m = -8 * d
+    if not np.isfinite(m.astype(np.float16)).all():
+        return None
+    q = np.empty((rows, cols // GROUP, 2, GROUP // 2), dtype=np.uint8)
+    np.bitwise_and(blocks[..., 2:], 0x0F, out=q[:, :, 0])
+    np.right_shift(blocks[..., 2:], 4, out=q[:, :, 1])
     return Q41(q=torch.from_numpy(q).view(rows, cols), d=torch.from_numpy(d), m=torch.from_numpy(m))
 
 
