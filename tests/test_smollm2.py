@@ -75,8 +75,6 @@ def test_the_default_service_tells_stories_to_the_openai_client(redis_server, tm
         stop(api), stop(worker)
 
 
-
-
 @pytest.mark.parametrize("qtype", SMOLLM2_TYPES)
 def test_a_requantized_file_tells_stories_to_the_openai_client(qtype, smollm2_gguf, smollm2_tokenizer, redis_alone,
                                                                  tmp_path):
