@@ -30,6 +30,7 @@ directory with a GGUF file and its name as the second argument) prints the forma
 """
 from __future__ import annotations
 
+import os
 import re
 import sys
 from dataclasses import dataclass
@@ -93,11 +94,13 @@ def detect(template: Union[str, dict, None], reads_tools: bool) -> ToolFormat:
 def main(argv: Optional[list] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not 1 <= len(argv) <= 2:
-        print("usage: python -m api.tool_formats TOKENIZER_DIR [GGUF_FILE_NAME]", file=sys.stderr)
+        print("usage: python -m api.tool_formats TOKENIZER_DIR [GGUF_FILE_NAME] | FILE.gguf", file=sys.stderr)
         return 2
     from transformers import AutoTokenizer
 
     from api.tokenizers import Tokenizer
+    if len(argv) == 1 and argv[0].endswith(".gguf"):  # a file's path: its folder and its name
+        argv = [os.path.dirname(os.path.abspath(argv[0])), os.path.basename(argv[0])]
     hf = AutoTokenizer.from_pretrained(argv[0], **({"gguf_file": argv[1]} if len(argv) == 2 else {}))
     print(Tokenizer(hf).tool_format.name)
     return 0
