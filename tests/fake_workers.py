@@ -12,7 +12,7 @@ import threading
 import time
 
 from shared import keys
-from shared.protocol import Final, Job, WorkerInfo, encode_result
+from shared.protocol import Final, Job, TextDelta, WorkerInfo, encode_result
 from tests.tiny_models import tiny_tokenizer
 from worker import model_loader
 from worker.job_queue import JobQueue
@@ -74,3 +74,25 @@ def answer_in_background(client, queue: JobQueue, publish: bool = True) -> None:
             client.publish(keys.channel(job.model, job.id), final)
 
     threading.Thread(target=answer, daemon=True).start()
+
+
+def reply_in_pieces(client, pieces: list[str], seen: list, model: str = MODEL) -> None:
+    """A stand-in worker, in the background: takes one job of `model`, keeps (job, its JSON, the
+    grammar it names as stored in Redis, or None) in `seen`, and streams the reply in `pieces`."""
+    def work():
+        for _ in range(500):
+            raw = client.lpop(keys.queue(model))
+            if raw:
+                break
+            time.sleep(0.01)
+        job = Job.from_json(raw)
+        seen.append((job, raw, client.get(keys.grammar(model, job.params.grammar)) if job.params.grammar else None))
+        channel, offset = keys.channel(model, job.id), 0
+        for piece in pieces[:-1]:
+            client.publish(channel, encode_result(TextDelta(piece, offset, 1)))
+            offset += len(piece)
+        final = encode_result(Final(text="".join(pieces), finish_reason="stop", prompt_tokens=len(job.prompt_ids),
+                                    completion_tokens=len(pieces)))
+        client.set(keys.answer(model, job.id), final)
+        client.publish(channel, final)
+    threading.Thread(target=work, daemon=True).start()

@@ -22,6 +22,7 @@ from api.validation import parse_chat, parse_completion
 from shared import keys
 from shared.protocol import FEATURES, Final, Job, TextDelta, WorkerInfo, encode_result
 from shared.settings import Settings
+from tests.fake_workers import reply_in_pieces
 from tests.processes import ROOT
 from worker import model_loader
 from worker.job_queue import JobQueue
@@ -193,31 +194,9 @@ def _post(app_client, body: dict):
     return app_client.post("/v1/chat/completions", data=json.dumps(body), content_type="application/json")
 
 
-def _answer(client, pieces: list[str], seen: list) -> None:
-    """A stand-in worker: takes one job, checks its reply against the grammar the job names (as the
-    worker fetches it), and writes the reply in `pieces`."""
-    def work():
-        for _ in range(500):
-            raw = client.lpop(keys.queue(MODEL))
-            if raw:
-                break
-            time.sleep(0.01)
-        job = Job.from_json(raw)
-        seen.append((job, raw, client.get(keys.grammar(MODEL, job.params.grammar))))
-        channel, offset = keys.channel(MODEL, job.id), 0
-        for piece in pieces[:-1]:
-            client.publish(channel, encode_result(TextDelta(piece, offset, 1)))
-            offset += len(piece)
-        final = encode_result(Final(text="".join(pieces), finish_reason="stop", prompt_tokens=len(job.prompt_ids),
-                                    completion_tokens=len(pieces)))
-        client.set(keys.answer(MODEL, job.id), final)
-        client.publish(channel, final)
-    threading.Thread(target=work, daemon=True).start()
-
-
 def test_the_job_carries_only_the_grammars_hash_and_the_grammar_waits_in_redis(served, any_redis, smollm2):
     seen = []
-    _answer(any_redis, [GOOD_NPC], seen)
+    reply_in_pieces(any_redis, [GOOD_NPC], seen, MODEL)
     response = _post(served, {
         "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "response_format": JSON_SCHEMA})
     assert response.status_code == 200, response.get_data(as_text=True)
@@ -244,7 +223,7 @@ CALL = '{"name":"get_weather","arguments":{"city":"Rome"}}'
 
 def test_a_call_comes_back_as_tool_calls(served, any_redis):
     seen = []
-    _answer(any_redis, [CALL], seen)
+    reply_in_pieces(any_redis, [CALL], seen, MODEL)
     response = _post(served, {
         "model": MODEL, "messages": [{"role": "user", "content": "Weather in Rome?"}], "tools": [WEATHER],
         "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
@@ -264,7 +243,7 @@ def _events(response) -> list[dict]:
 
 def test_a_streamed_call_comes_as_tool_call_deltas(served, any_redis):
     pieces = ['{"name":"get', '_weather","argu', 'ments":{"ci', 'ty":"Ro', 'me"}', "}"]
-    _answer(any_redis, pieces, [])
+    reply_in_pieces(any_redis, pieces, [], MODEL)
     response = _post(served, {
         "model": MODEL, "messages": [{"role": "user", "content": "Weather in Rome?"}], "tools": [WEATHER],
         "tool_choice": "required", "stream": True})
@@ -279,7 +258,7 @@ def test_a_streamed_call_comes_as_tool_call_deltas(served, any_redis):
 
 
 def test_streamed_text_with_tools_is_content(served, any_redis):
-    _answer(any_redis, ["It is ", "sunny."], [])
+    reply_in_pieces(any_redis, ["It is ", "sunny."], [], MODEL)
     response = _post(served, {
         "model": MODEL, "messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER], "stream": True})
     events = _events(response)

@@ -28,6 +28,7 @@ from api.validation import parse_chat
 from shared import keys
 from shared.protocol import FEATURES, Final, Job, TextDelta, WorkerInfo, encode_result
 from shared.settings import Settings
+from tests.fake_workers import reply_in_pieces
 from tests.tiny_models import tiny_tokenizer
 from tests.tool_templates import (ASK, FALLBACK_PARIS, HISTORY, LLAMA3_TEMPLATE, LLAMA_PARIS, PARIS, QWEN_GOLD,
                                     QWEN_PARIS, QWEN_TEMPLATE, TOOLS, WEATHER)
@@ -363,34 +364,13 @@ def served(fake_redis):
     return _serve(fake_redis, QWEN_TEMPLATE)
 
 
-def _worker(client, pieces: list[str], seen: list) -> None:
-    """Takes one job, keeps its prompt and grammar, and writes the reply in `pieces`."""
-    def work():
-        for _ in range(500):
-            raw = client.lpop(keys.queue(MODEL))
-            if raw:
-                break
-            time.sleep(0.01)
-        job = Job.from_json(raw)
-        seen.append((job, client.get(keys.grammar(MODEL, job.params.grammar)).decode()))
-        channel, offset = keys.channel(MODEL, job.id), 0
-        for piece in pieces[:-1]:
-            client.publish(channel, encode_result(TextDelta(piece, offset, 1)))
-            offset += len(piece)
-        final = encode_result(Final(text="".join(pieces), finish_reason="stop", prompt_tokens=len(job.prompt_ids),
-                                    completion_tokens=len(pieces)))
-        client.set(keys.answer(MODEL, job.id), final)
-        client.publish(channel, final)
-    threading.Thread(target=work, daemon=True).start()
-
-
 REPLY = "Let me look.\n" + QWEN_PARIS + "\n" + QWEN_GOLD
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_the_openai_client_gets_qwens_calls_as_tool_calls(served, fake_redis, qwen, stream):
     seen: list = []
-    _worker(fake_redis, [REPLY[i:i + 7] for i in range(0, len(REPLY), 7)], seen)
+    reply_in_pieces(fake_redis, [REPLY[i:i + 7] for i in range(0, len(REPLY), 7)], seen, MODEL)
     asked = served.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, stream=stream)
     if stream:
         chunks = list(asked)
@@ -409,7 +389,8 @@ def test_the_openai_client_gets_qwens_calls_as_tool_calls(served, fake_redis, qw
         assert all(c.type == "function" and c.id.startswith("call_") for c in message.tool_calls)
     assert content == "Let me look." and reasons == ["tool_calls"]
     assert calls == [("get_weather", PARIS), ("give_gold", '{"amount": 5}')]
-    (job, grammar), = seen
+    (job, _, grammar), = seen
+    grammar = grammar.decode()
     prompt = qwen._tok.decode(job.prompt_ids)
     assert "<tools>\n" in prompt and '"name": "give_gold"' in prompt  # the template showed the tools
     assert grammar == _grammar(qwen) and _allows(qwen, grammar, REPLY)  # the job's grammar is Qwen's

@@ -17,16 +17,8 @@ from api.errors import ApiError
 from api.tokenizers import Tokenizer
 from api.validation import parse_chat
 from tests.tiny_models import tiny_tokenizer
+from tests.tool_templates import GOLD, WEATHER
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Today's weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                                   "unit": {"enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-GOLD = {"type": "function", "function": {
-    "name": "give_gold", "description": "Hand the player some gold",
-    "parameters": {"type": "object", "properties": {"amount": {"type": "integer", "minimum": 1, "maximum": 50}},
-                   "required": ["amount"], "additionalProperties": False}}}
 SHRUG = {"type": "function", "function": {"name": "shrug"}}  # no parameters: arguments {}
 TOOLS = [WEATHER, GOLD, SHRUG]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
