@@ -177,7 +177,7 @@ def test_the_log_says_how_sliding_windows_run(loaded_family, caplog):
         build(loaded_family("gemma3"), NO_KERNELS)
         build(loaded_family("mistral"), NO_KERNELS)
     text = caplog.text
-    assert "1 of 2 layers are sliding-window layers: they attend to their last 16 tokens; their blocks are " \
+    assert "5 of 6 layers are sliding-window layers: they attend to their last 16 tokens; their blocks are " \
            "kept for the global layers" in text
     assert "every layer attends to its last 24 tokens (sliding window); blocks outside the window are kept" in text
 
