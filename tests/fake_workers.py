@@ -21,13 +21,16 @@ MODEL = "tiny"
 CONTEXT = 64
 
 
-def register_worker(client, model=MODEL, worker_id="w1", draining=False) -> JobQueue:
-    files = model_loader.tokenizer_files(tiny_tokenizer())
+def register_worker(client, model=MODEL, worker_id="w1", draining=False, tokenizer=None,
+                    context_window=CONTEXT, engine="static", features=None) -> JobQueue:
+    """A worker that is only its Redis keys: its tokenizer (the tiny one unless given) and a heartbeat."""
+    files = model_loader.tokenizer_files(tokenizer if tokenizer is not None else tiny_tokenizer())
     queue = JobQueue(client, worker_id, model)
     queue.store_tokenizer(files)
-    info = WorkerInfo(id=worker_id, model=model, context_window=CONTEXT, engine="static", batch=4,
+    info = WorkerInfo(id=worker_id, model=model, context_window=context_window, engine=engine, batch=4,
                       device="cpu", dtype="float32", tokenizer_digest=model_loader.digest(files),
-                      pid=1, host="test", started=time.time(), draining=draining)
+                      pid=1, host="test", started=time.time(), draining=draining,
+                      **({"features": list(features)} if features is not None else {}))
     queue.heartbeat(info, ttl_s=60)
     return queue
 

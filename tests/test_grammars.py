@@ -8,8 +8,6 @@ import hashlib
 import json
 import subprocess
 import sys
-import threading
-import time
 
 import llguidance
 import pytest
@@ -20,12 +18,10 @@ from api.errors import ApiError
 from api.tokenizers import Tokenizer
 from api.validation import parse_chat, parse_completion
 from shared import keys
-from shared.protocol import FEATURES, Final, Job, TextDelta, WorkerInfo, encode_result
+from shared.protocol import FEATURES
 from shared.settings import Settings
-from tests.fake_workers import reply_in_pieces
+from tests.fake_workers import register_worker, reply_in_pieces
 from tests.processes import ROOT
-from worker import model_loader
-from worker.job_queue import JobQueue
 
 MODEL = "smol"
 NPC = {"type": "object",
@@ -179,12 +175,8 @@ def test_a_grammar_is_stored_once_under_its_hash_with_a_ttl(smollm2, any_redis):
 
 @pytest.fixture
 def served(any_redis, smollm2_tokenizer):
-    files = model_loader.tokenizer_files(smollm2_tokenizer)
-    queue = JobQueue(any_redis, "w1", MODEL)
-    queue.store_tokenizer(files)
-    queue.heartbeat(WorkerInfo(id="w1", model=MODEL, context_window=2048, engine="continuous", batch=4,
-                               device="cpu", dtype="float32", tokenizer_digest=model_loader.digest(files),
-                               pid=1, host="test", started=time.time(), features=list(FEATURES)), ttl_s=60)
+    register_worker(any_redis, MODEL, tokenizer=smollm2_tokenizer, context_window=2048, engine="continuous",
+                    features=FEATURES)
     return create_app(Settings(request_timeout=10), client=any_redis).test_client()
 
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import random
-import threading
-import time
 
 import httpx2
 import jsonschema
@@ -26,14 +24,12 @@ from api.app import create_app
 from api.tokenizers import Tokenizer
 from api.validation import parse_chat
 from shared import keys
-from shared.protocol import FEATURES, Final, Job, TextDelta, WorkerInfo, encode_result
+from shared.protocol import FEATURES
 from shared.settings import Settings
-from tests.fake_workers import reply_in_pieces
+from tests.fake_workers import register_worker, reply_in_pieces
 from tests.tiny_models import tiny_tokenizer
 from tests.tool_templates import (ASK, FALLBACK_PARIS, HISTORY, LLAMA3_TEMPLATE, LLAMA_PARIS, PARIS, QWEN_GOLD,
                                     QWEN_PARIS, QWEN_TEMPLATE, TOOLS, WEATHER)
-from worker import model_loader
-from worker.job_queue import JobQueue
 
 def _tokenizer(template) -> Tokenizer:
     hf = tiny_tokenizer()
@@ -348,12 +344,7 @@ def _serve(fake_redis, template) -> openai.OpenAI:
     official openai client talking to it in-process."""
     hf = tiny_tokenizer()
     hf.chat_template = template
-    files = model_loader.tokenizer_files(hf)
-    queue = JobQueue(fake_redis, "w1", MODEL)
-    queue.store_tokenizer(files)
-    queue.heartbeat(WorkerInfo(id="w1", model=MODEL, context_window=4096, engine="continuous", batch=4,
-                               device="cpu", dtype="float32", tokenizer_digest=model_loader.digest(files),
-                               pid=1, host="test", started=time.time(), features=list(FEATURES)), ttl_s=60)
+    register_worker(fake_redis, MODEL, tokenizer=hf, context_window=4096, engine="continuous", features=FEATURES)
     app = create_app(Settings(request_timeout=10), client=fake_redis)
     http = openai.DefaultHttpx2Client(transport=httpx2.WSGITransport(app=app))
     return openai.OpenAI(base_url="http://api/v1", api_key="none", http_client=http, max_retries=0)
