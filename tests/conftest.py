@@ -1,12 +1,43 @@
 """Shared fixtures: tiny models (their directories, and loaded in process), fakeredis for unit tests,
-a private redis-server (one a session, or one a test)."""
+a private redis-server (one a session, or one a test); and, under CI, a skip is a failure unless
+tests/allowed_skips.py allows its reason."""
 from __future__ import annotations
 
 import fakeredis
 import pytest
 
+from tests import allowed_skips
 from tests.processes import RedisServer
 from tests.tiny_models import save_tiny
+
+
+# --- Under CI (CI=true), a skip whose reason tests/allowed_skips.py does not list fails instead: in
+# every phase (skipif marks and skips in fixtures are setup's; pytest.skip in the test is call's) and
+# at collection (importorskip or a module-level skip), so no claimed feature goes untested unseen.
+
+def _refuse_skip(report) -> None:
+    if not (report.skipped and allowed_skips.in_ci()) or hasattr(report, "wasxfail"):
+        return  # an xfail is reported as skipped too: it is not a skip
+    longrepr = report.longrepr
+    reason = str(longrepr[2] if isinstance(longrepr, tuple) else longrepr).removeprefix("Skipped: ")
+    if not allowed_skips.allowed(reason):
+        where = f"{longrepr[0]}:{longrepr[1]}: " if isinstance(longrepr, tuple) else ""
+        report.outcome = "failed"
+        report.longrepr = where + allowed_skips.refusal(reason)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    _refuse_skip(report)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    report = yield
+    _refuse_skip(report)
+    return report
 
 
 @pytest.fixture(scope="session")
