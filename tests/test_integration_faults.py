@@ -16,6 +16,7 @@ from shared import keys
 from tests.live_stack import finish_reasons, stack  # noqa: F401 (a fixture)
 from tests.processes import (MODEL, RedisServer, get_json, logs, make_client, models_served, start, start_api, stop,
                              tiny_worker, wait_until)
+from worker.faults import as_env
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -89,11 +90,19 @@ def test_sigterm_lets_the_worker_finish_its_request(stack, tiny_model_dirs, tmp_
 
 # A worker killed mid-stream
 
+STEP_DELAY_S = 0.05  # seconds each paced worker sleeps after each step
+
+
 def test_stream_survives_worker_killed_mid_job(stack, tiny_model_dirs, tmp_path):
     # Two workers of their own for one model: the one holding the job dies, the other finishes it.
+    # Each is paced (the tests' step_delay_s fault, worker/faults.py): the 120 tokens take at least
+    # STEP_DELAY_S * 120 = 6 s, so when the first piece of text arrives the job is certainly still
+    # in its worker's processing list, however fast or loaded the machine (unpaced, the tiny model
+    # could write them all before the test looked, and the kill would not be mid-stream).
     name = "tiny-crash"
     pair = [start(["worker", "--model", tiny_model_dirs["llama"], "--model-name", name, "--dtype", "float32",
-                   "--batch", "4", "--wait", "5"], tmp_path, f"crash-worker-{i}", REDIS_URL=stack.redis_server.url)
+                   "--batch", "4", "--wait", "5"], tmp_path, f"crash-worker-{i}", REDIS_URL=stack.redis_server.url,
+                  **as_env(step_delay_s=STEP_DELAY_S))
             for i in range(2)]
     try:
         wait_until(lambda: len(stack.worker_ids(name)) == 2, pair, f"two workers of {name}")
@@ -109,8 +118,8 @@ def test_stream_survives_worker_killed_mid_job(stack, tiny_model_dirs, tmp_path)
                     if any(job_id.encode() in raw for raw in held):
                         proc.kill()  # SIGKILL: no drain, the job stays in its processing list
                         killed = proc
-                if killed is None:
-                    pytest.skip("the job finished before it could be caught mid-way")
+                assert killed is not None, (f"job {job_id} was in no worker's processing list at its first "
+                                            f"piece of text: the kill could not land mid-stream")
             text += chunk.choices[0].text
         finish = chunk.choices[0].finish_reason
         # Greedy: the survivor writes the same text again, alone.
