@@ -31,7 +31,15 @@ need prometheus prometheus
 need docker-compose docker-compose
 need dockerd docker.io
 need mmdebstrap mmdebstrap
-# tests/gguf_files.py builds llama.cpp's quantizer from its source where ../shared/bin has none.
+# tests/gguf_files.py builds llama.cpp's quantizer from its source where ../shared/bin has none; the
+# C++ kernels (worker/continuous/kernels.py: tests/test_decoder.py, test_weights.py, test_invariance.py
+# and every worker) are built with g++ by torch, with the ninja wheel of requirements-worker.txt.
 need cmake cmake
 need g++ g++
+# ... against Python.h, which Debian's python3 comes without (python3-dev has it, and python3-config).
+need python3-config python3-dev
+# tests/test_netns.py makes a switch and hosts of network namespaces with iproute2's `ip`.
+need ip iproute2
+# tests/test_redis_security.py makes the certificates of its TLS Redis with the openssl command.
+need openssl openssl
 exec .venv/bin/python -m pytest "$@"
