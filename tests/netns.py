@@ -43,13 +43,14 @@ _prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("lin
 
 
 def unavailable() -> Optional[str]:
-    """Why namespaces can't be made here (None: they can): the test's skip reason."""
+    """Why namespaces can't be made here (None: they can): the test's skip reason (a failure in CI,
+    tests/allowed_skips.py: test.sh installs iproute2, and CI runs as root)."""
     if not sys.platform.startswith("linux"):
         return "network namespaces are Linux's"
     if os.geteuid() != 0:
         return "making network namespaces needs root (CI runs as root)"
     if shutil.which("ip") is None:
-        return "the `ip` command (iproute2) is not installed"
+        return "the `ip` command (iproute2) is not installed (test.sh installs it)"
     probe = f"{PREFIX}-{os.getpid()}-probe-{uuid.uuid4().hex[:6]}"
     made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     if made.returncode != 0:

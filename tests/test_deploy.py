@@ -2,7 +2,7 @@
 config and alert rules, Grafana's provisioning and dashboard.
 
 The images are built and run by a real Docker engine in tests/test_docker.py (slow; skipped where no
-daemon can start), and each image's Python is reproduced without Docker in tests/test_deploy_images.py.
+daemon can start, but not in CI), and each image's Python is reproduced without Docker in tests/test_deploy_images.py.
 What is checked here, in seconds: compose validates the files (Debian's
 docker-compose 1.29, installed by test.sh); hadolint lints the Dockerfiles; their commands are the
 project's real entry points; the metric names of the dashboard and the alert rules come from
@@ -46,7 +46,8 @@ def tool(name: str, installed_by: str) -> str:
 def promtool() -> str:
     found = shutil.which("promtool")
     if found is None:
-        pytest.skip("promtool is not installed (Debian's prometheus package): Prometheus' files are not checked")
+        pytest.skip("promtool is not installed (Debian's prometheus package; test.sh installs it): "
+                    "Prometheus' config and alert rules are not checked")
     return found
 
 

@@ -12,7 +12,7 @@ HEALTHCHECKs pass, a streamed request is answered through the published port, an
 both workers.
 
 Skipped, with the reason, where dockerd, mmdebstrap or docker-compose is missing (test.sh installs
-them) or the daemon cannot start.
+them) or the daemon cannot start; in CI (CI=true) that skip is a failure (tests/allowed_skips.py).
 """
 from __future__ import annotations
 

@@ -170,7 +170,7 @@ def _make_certs(directory: Path) -> dict[str, Path]:
 @pytest.fixture
 def tls_server(tmp_path):
     if shutil.which("openssl") is None:
-        pytest.skip("the openssl command is not installed: no certificates for a TLS Redis")
+        pytest.skip("the openssl command is not installed (test.sh installs it): no certificates for a TLS Redis")
     certs = _make_certs(tmp_path)
     port = free_port()
     server = RedisServer(
@@ -184,7 +184,7 @@ def tls_server(tmp_path):
         said = server.log.read_text(errors="replace")
         server.stop()
         if "tls" in said.lower() and ("bad directive" in said.lower() or "not supported" in said.lower()):
-            pytest.skip(f"this redis-server was built without TLS: {said.strip()[-200:]}")
+            pytest.skip(f"this redis-server was built without TLS (Debian's has it): {said.strip()[-200:]}")
         pytest.fail(f"the TLS redis-server did not come up:\n{said[-2000:]}")
     yield server
     server.stop()

@@ -146,7 +146,7 @@ finally:
 """
 
 
-@pytest.mark.skipif(shutil.which("prometheus") is None, reason="no prometheus installed (test.sh installs it)")
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="the prometheus command is not installed (Debian's prometheus package; test.sh installs it)")
 def test_metrics_prometheus_loads_the_alerts_logs_to_a_file_and_leaves_no_folder(tmp_path):
     done = subprocess.run([sys.executable, "-c", PROMETHEUS_SCRIPT], cwd=ROOT, env=_env(TMPDIR=str(tmp_path)),
                           capture_output=True, text=True, timeout=120)

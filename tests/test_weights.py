@@ -218,7 +218,8 @@ def test_int8_kernel_is_the_files_weights_times_activations_rounded_per_group(ou
     Only float32 summation (and bf16's rounding of input and output) may differ; and the rounding
     of x keeps the result within half a step of each group's scale of the exact product."""
     if not hasattr(kernel, "int8_linear"):
-        pytest.skip("this CPU has neither AVX-512 VNNI nor AVX2: the integer kernel is not built")
+        pytest.skip("this CPU has neither AVX-512 VNNI nor AVX2: the kernels' integer product (csrc/int8.h) "
+                    "is not built, and is not checked")
     _, tensors = ours
     layer = "model.layers.3."
     cases = [Q41.cat([tensors[layer + f"self_attn.{p}_proj.weight"] for p in "qkv"]),  # 18 groups: 4 chunks + 2
