@@ -2,8 +2,8 @@
 config and alert rules, Grafana's provisioning and dashboard.
 
 The images are built and run by a real Docker engine in tests/test_docker.py (slow; skipped where no
-daemon can start, but not in CI), and each image's Python is reproduced without Docker in tests/test_deploy_images.py.
-What is checked here, in seconds: compose validates the files (Debian's
+daemon can start, a failure in CI), and each image's Python is reproduced without Docker in
+tests/test_deploy_images.py. What is checked here, in seconds: compose validates the files (Debian's
 docker-compose 1.29, installed by test.sh); hadolint lints the Dockerfiles; their commands are the
 project's real entry points; the metric names of the dashboard and the alert rules come from
 shared/metrics.py; promtool (Debian's prometheus package, when installed) checks the config and
