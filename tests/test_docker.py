@@ -1,5 +1,6 @@
-"""The images built and run by a real Docker engine: Debian's docker.io, its daemon started here (vfs,
-no iptables, no default bridge; a data root and socket of its own, removed afterwards).
+"""The images built and run by a real Docker engine: Debian's docker.io, its daemon started here
+(overlay2, or vfs where overlay2 will not start; no iptables, no default bridge; a data root and
+socket of its own, removed afterwards).
 
 No image registry is reachable from the test machines, so the base image is made of Debian's packages
 with mmdebstrap (python3 and its venv module; the host's CA certificates, so that pip in the build
@@ -74,13 +75,24 @@ class Engine:
         self.socket = folder / "docker.sock"
         self.log = folder / "dockerd.log"
         self.process = None
+        self.driver = None  # the storage driver the daemon started with
 
     def env(self, **extra) -> dict:
         return {**os.environ, "DOCKER_HOST": f"unix://{self.socket}", "DOCKER_BUILDKIT": "1", **extra}
 
     def start(self) -> None:
+        """overlay2 where the kernel has it (layers shared, not copied); vfs, which copies every layer
+        whole at every step (minutes more on the worker's torch layers), where overlay2 will not start
+        (a data root on overlayfs, say)."""
+        for driver in ("overlay2", "vfs"):
+            if self._start(driver):
+                self.driver = driver
+                return
+        pytest.skip(f"dockerd did not start (overlay2 nor vfs): {self.log.read_text()[-1500:]}")
+
+    def _start(self, driver: str) -> bool:
         self.process = subprocess.Popen(
-            ["dockerd", "--storage-driver=vfs", "--iptables=false", "--bridge=none",
+            ["dockerd", f"--storage-driver={driver}", "--iptables=false", "--bridge=none",
              f"--data-root={self.folder / 'root'}", f"--exec-root={self.folder / 'exec'}",
              f"--pidfile={self.folder / 'docker.pid'}", f"--host=unix://{self.socket}"],
             # Its own session, and killed with this process: a killed test run leaves no daemon behind.
@@ -89,10 +101,10 @@ class Engine:
         give_up = time.monotonic() + 60
         while time.monotonic() < give_up and self.process.poll() is None:
             if self.run(["version"], check=False).returncode == 0:
-                return
+                return True
             time.sleep(0.5)
         self.stop()
-        pytest.skip(f"dockerd did not start: {self.log.read_text()[-1500:]}")
+        return False
 
     def stop(self) -> None:
         if self.process and self.process.poll() is None:
@@ -136,10 +148,11 @@ def engine(tmp_path_factory):
     engine.start()
     yield engine
     engine.stop()
-    subprocess.run(["rm", "-rf", str(folder)], check=False)  # vfs: gigabytes of whole layer copies
+    subprocess.run(["rm", "-rf", str(folder)], check=False)  # gigabytes of layers (whole copies on vfs)
     if BUILT:
-        print("\nimages built: " + ", ".join(f"{image} {info['bytes'] / 1e6:.0f} MB in {info['seconds']:.0f} s"
-                                             for image, info in BUILT.items()), file=sys.stderr)
+        built = ", ".join(f"{image} {info['bytes'] / 1e6:.0f} MB in {info['seconds']:.0f} s"
+                          for image, info in BUILT.items())
+        print(f"\nimages built on {engine.driver}: {built}", file=sys.stderr)
 
 
 def base_image(engine: Engine) -> None:
