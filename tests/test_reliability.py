@@ -50,10 +50,10 @@ def test_a_crowd_beyond_the_cap_gets_429_at_once_and_nothing_accepted_is_lost(
                 done = clients[i % len(clients)].completions.create(
                     model=MODEL, prompt=f"Player {i} asks for a story", max_tokens=4,
                     extra_body={"ignore_eos": True})
-                return "ok", time.monotonic() - began, done
+                return "ok", time.monotonic() - began, done, time.monotonic()
             except openai.RateLimitError as refused:
                 headers = refused.response.headers
-                return "429", time.monotonic() - began, (refused.code, headers.get("retry-after"))
+                return "429", time.monotonic() - began, (refused.code, headers.get("retry-after")), time.monotonic()
 
         with ThreadPoolExecutor(300) as pool:
             futures = [pool.submit(one, i) for i in range(300)]
@@ -62,6 +62,8 @@ def test_a_crowd_beyond_the_cap_gets_429_at_once_and_nothing_accepted_is_lost(
             # One at a time, with the queue full: what a single refusal costs, without the burst's
             # queueing on 2 cores (300 client threads and the API share them).
             alone = [one(1000 + i) for i in range(50)]
+            queued_after = sum(redis_alone.client().llen(q) for q in keys.queues(MODEL))
+            resumed_at = time.monotonic()
             paused.resume()
             results = [f.result(timeout=60) for f in futures]
     finally:
@@ -69,13 +71,17 @@ def test_a_crowd_beyond_the_cap_gets_429_at_once_and_nothing_accepted_is_lost(
             stop(proc)
     refused = [r for r in results if r[0] == "429"]
     answered = [r for r in results if r[0] == "ok"]
-    assert queued == 20
+    assert queued == queued_after == 20  # the 50 refused after the burst did not join the queue either
     assert len(refused) == 280 and len(answered) == 20, logs(*procs)
-    assert all(code == "queue_full" and int(retry) >= 1 for _, _, (code, retry) in refused)
-    assert all(kind == "429" and took < 0.1 for kind, took, _ in alone), sorted(t for _, t, _ in alone)
-    # In the burst, every refusal came before the worker resumed, and within seconds.
-    assert max(t for _, t, _ in refused) < 5
-    assert all(done.usage.completion_tokens == 4 for _, _, done in answered)
+    assert all(code == "queue_full" and int(retry) >= 1 for _, _, (code, retry), _ in refused)
+    # At once: a refusal does no model work and waits for nothing. With the worker stopped, a request
+    # that waited on the queue would not be answered before the resume below at all (the client's
+    # 60 s timeout first); one answered, each refusal takes milliseconds, well under 2 s even on a
+    # loaded 2-core machine. (A tighter window measured the machine's load, not the API.)
+    assert all(kind == "429" and took < 2 for kind, took, _, _ in alone), sorted(t for _, t, _, _ in alone)
+    # In the burst too, every refusal came before the worker resumed: none waited for the queue.
+    assert all(ended < resumed_at for _, _, _, ended in refused), max(e for _, _, _, e in refused) - resumed_at
+    assert all(done.usage.completion_tokens == 4 for _, _, done, _ in answered)
 
 
 def test_a_rolling_restart_of_the_only_worker_answers_every_request(redis_alone, tiny_model_dirs, tmp_path):
