@@ -13,7 +13,7 @@ from shared import keys
 from shared.protocol import Failure, Final, Job, WorkerInfo, decode_result
 from tests.queue_jobs import MODEL, die_holding, job_ids_of, numbered_job, push_jobs
 from tests.tiny_models import tiny_tokenizer
-from worker.job_queue import JobQueue
+from worker.job_queue import FILL_POLL_S, JobQueue
 from worker.sequence import Sequence
 
 
@@ -27,27 +27,55 @@ def test_a_batch_takes_at_most_its_size_in_queue_order(any_redis):
     assert any_redis.llen(keys.processing(MODEL, "w1")) == 16
 
 
-def test_a_batch_waits_for_late_arrivals_only_until_the_deadline(any_redis):
+class _FakeTime:
+    """worker.job_queue's `time`, advanced only by the queue's own sleeps: jobs arrive at the
+    moments of the test's schedule in the queue's clock, whatever the machine's load does to real
+    time (a loaded machine used to push the 20 ms arrival past a real 150 ms wait)."""
+
+    def __init__(self, schedule=()):
+        self.now = 0.0
+        self.schedule = sorted(schedule, key=lambda event: event[0])  # (at, what to do then)
+        self.sleeps = 0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps += 1
+        self.advance(seconds)
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+        while self.schedule and self.schedule[0][0] <= self.now:
+            self.schedule.pop(0)[1]()
+
+    def __getattr__(self, name):  # anything else the module reads from `time`
+        return getattr(time, name)
+
+
+def test_a_batch_waits_for_late_arrivals_only_until_the_deadline(any_redis, monkeypatch):
     queue = JobQueue(any_redis, "w1", MODEL)
     push_jobs(any_redis, 0)
     # One arrives 20 ms after the first (inside a 150 ms wait), another after 400 ms (outside it).
-    threading.Timer(0.02, push_jobs, (any_redis, 1)).start()
-    threading.Timer(0.4, push_jobs, (any_redis, 2)).start()
-    started = time.monotonic()
+    fake = _FakeTime([(0.02, lambda: push_jobs(any_redis, 1)), (0.4, lambda: push_jobs(any_redis, 2))])
+    monkeypatch.setattr("worker.job_queue.time", fake)
     taken = queue.take(limit=16, wait_s=0.15, block_s=1)
-    waited = time.monotonic() - started
     assert [j.id for j in taken] == ["job-0", "job-1"]
-    assert 0.1 <= waited < 0.4
-    time.sleep(0.45)
+    # It waited out the whole 150 ms for more (not returning with the first job, nor at the second),
+    # and not one poll past it.
+    assert 0.15 <= fake.now <= 0.15 + 2 * FILL_POLL_S
+    assert any_redis.llen(keys.queue(MODEL)) == 0  # the 400 ms arrival has not come yet
+    fake.advance(0.45 - fake.now)
     assert [j.id for j in queue.take(limit=16, wait_s=0, block_s=1)] == ["job-2"]
 
 
-def test_a_full_batch_does_not_wait(any_redis):
+def test_a_full_batch_does_not_wait(any_redis, monkeypatch):
     queue = JobQueue(any_redis, "w1", MODEL)
     push_jobs(any_redis, *range(4))
-    started = time.monotonic()
+    fake = _FakeTime()
+    monkeypatch.setattr("worker.job_queue.time", fake)
     assert len(queue.take(limit=4, wait_s=5.0, block_s=1)) == 4
-    assert time.monotonic() - started < 1.0
+    assert fake.sleeps == 0 and fake.now == 0.0  # not one poll of the 5 s fill wait
 
 
 # Real Redis only: fakeredis 2.40's BLMOVE does not block for a fractional timeout, and never
@@ -98,13 +126,21 @@ def test_jobs_of_a_dead_worker_go_back_to_the_front_of_the_queue(any_redis):
     dead = JobQueue(any_redis, "dead", MODEL)
     info = WorkerInfo(id="dead", model=MODEL, context_window=128, engine="static", batch=4, device="cpu",
                       dtype="float32", tokenizer_digest="x", pid=1, host="h", started=0.0)
-    dead.heartbeat(info, ttl_s=0.05)
+    # A heartbeat of 30 s: no round trip on a loaded machine outlives it before the first look
+    # (a 50 ms one could lapse during the three round trips below).
+    dead.heartbeat(info, ttl_s=30)
     push_jobs(any_redis, 0, 1)
     dead.take(limit=2, wait_s=0, block_s=1)
     push_jobs(any_redis, 2)
     alive = JobQueue(any_redis, "alive", MODEL)
     assert alive.requeue_dead_workers() == 0  # its heartbeat is still fresh
-    time.sleep(0.1)
+    beat = keys.heartbeat(MODEL, "dead")
+    assert 0 < any_redis.pttl(beat) <= 30_000  # the heartbeat lives only its TTL, then...
+    # ...it lapses (its TTL run down to 1 ms, rather than the test sleeping out 30 s).
+    any_redis.pexpire(beat, 1)
+    deadline = time.monotonic() + 30
+    while any_redis.exists(beat) and time.monotonic() < deadline:
+        time.sleep(0.005)
     assert alive.requeue_dead_workers() == 2
     assert [Job.from_json(r).id for r in any_redis.lrange(keys.queue(MODEL), 0, -1)] == ["job-0", "job-1", "job-2"]
     assert not any_redis.hexists(keys.WORKERS, "dead")
@@ -140,8 +176,10 @@ def test_an_idle_worker_wakes_when_the_api_pushes(real_redis):
     queue = JobQueue(real_redis, "w1", MODEL)
     threading.Timer(0.1, lambda: Admission(real_redis, 0).push([numbered_job(0)], cap=0)).start()
     started = time.monotonic()
-    assert job_ids_of(queue.take(limit=1, wait_s=0, block_s=5)) == ["job-0"]
-    assert time.monotonic() - started < 1
+    assert job_ids_of(queue.take(limit=1, wait_s=0, block_s=30)) == ["job-0"]
+    # A worker the push did not wake would sleep out its whole 30 s block; woken, it takes the job
+    # a round trip after the push, well under 15 s even on a loaded 2-core machine.
+    assert time.monotonic() - started < 15
 
 
 def test_a_job_that_kills_its_workers_fails_after_its_retries_and_the_others_go_on(any_redis):

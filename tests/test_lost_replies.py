@@ -211,7 +211,9 @@ def debug_redis(tmp_path_factory):
 def _stall(server: RedisServer, seconds: float) -> None:
     """Make Redis stall for `seconds` (DEBUG SLEEP), and return once it does: a probe times out."""
     threading.Thread(target=server.client().execute_command, args=("DEBUG", "SLEEP", seconds)).start()
-    probe = redis.Redis.from_url(server.url, socket_timeout=0.05)
+    # 0.3 s: a ping on a loaded 2-core machine can take longer than 50 ms without any stall, and
+    # a probe that timed out early would return before the stall began.
+    probe = redis.Redis.from_url(server.url, socket_timeout=0.3)
     while True:
         try:
             probe.ping()
@@ -235,10 +237,11 @@ def test_a_take_that_times_out_while_redis_stalls_is_answered(debug_redis, monke
     take_now, failures, stall = worker.queue._take_now, [], threading.Event()
 
     def stalled_take(*args, **kwargs):
-        # Once, with the job queued: Redis stalls for 2 s, and this take waits behind the stall.
+        # Once, with the job queued: Redis stalls for 2.5 s, and this take waits behind the stall
+        # (sent some 0.3 s in, its 1 s socket timeout comes more than a second before the stall ends).
         if stall.is_set() and client.llen(keys.queue(MODEL)):
             stall.clear()
-            _stall(debug_redis, 2)
+            _stall(debug_redis, 2.5)
             try:
                 return take_now(*args, **kwargs)
             except redis.RedisError as exc:

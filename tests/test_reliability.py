@@ -50,10 +50,10 @@ def test_a_crowd_beyond_the_cap_gets_429_at_once_and_nothing_accepted_is_lost(
                 done = clients[i % len(clients)].completions.create(
                     model=MODEL, prompt=f"Player {i} asks for a story", max_tokens=4,
                     extra_body={"ignore_eos": True})
-                return "ok", time.monotonic() - began, done
+                return "ok", time.monotonic() - began, done, time.monotonic()
             except openai.RateLimitError as refused:
                 headers = refused.response.headers
-                return "429", time.monotonic() - began, (refused.code, headers.get("retry-after"))
+                return "429", time.monotonic() - began, (refused.code, headers.get("retry-after")), time.monotonic()
 
         with ThreadPoolExecutor(300) as pool:
             futures = [pool.submit(one, i) for i in range(300)]
@@ -62,6 +62,8 @@ def test_a_crowd_beyond_the_cap_gets_429_at_once_and_nothing_accepted_is_lost(
             # One at a time, with the queue full: what a single refusal costs, without the burst's
             # queueing on 2 cores (300 client threads and the API share them).
             alone = [one(1000 + i) for i in range(50)]
+            queued_after = sum(redis_alone.client().llen(q) for q in keys.queues(MODEL))
+            resumed_at = time.monotonic()
             paused.resume()
             results = [f.result(timeout=60) for f in futures]
     finally:
@@ -69,13 +71,17 @@ def test_a_crowd_beyond_the_cap_gets_429_at_once_and_nothing_accepted_is_lost(
             stop(proc)
     refused = [r for r in results if r[0] == "429"]
     answered = [r for r in results if r[0] == "ok"]
-    assert queued == 20
+    assert queued == queued_after == 20  # the 50 refused after the burst did not join the queue either
     assert len(refused) == 280 and len(answered) == 20, logs(*procs)
-    assert all(code == "queue_full" and int(retry) >= 1 for _, _, (code, retry) in refused)
-    assert all(kind == "429" and took < 0.1 for kind, took, _ in alone), sorted(t for _, t, _ in alone)
-    # In the burst, every refusal came before the worker resumed, and within seconds.
-    assert max(t for _, t, _ in refused) < 5
-    assert all(done.usage.completion_tokens == 4 for _, _, done in answered)
+    assert all(code == "queue_full" and int(retry) >= 1 for _, _, (code, retry), _ in refused)
+    # At once: a refusal does no model work and waits for nothing. With the worker stopped, a request
+    # that waited on the queue would not be answered before the resume below at all (the client's
+    # 60 s timeout first); one answered, each refusal takes milliseconds, well under 2 s even on a
+    # loaded 2-core machine. (A tighter window measured the machine's load, not the API.)
+    assert all(kind == "429" and took < 2 for kind, took, _, _ in alone), sorted(t for _, t, _, _ in alone)
+    # In the burst too, every refusal came before the worker resumed: none waited for the queue.
+    assert all(ended < resumed_at for _, _, _, ended in refused), max(e for _, _, _, e in refused) - resumed_at
+    assert all(done.usage.completion_tokens == 4 for _, _, done, _ in answered)
 
 
 def test_a_rolling_restart_of_the_only_worker_answers_every_request(redis_alone, tiny_model_dirs, tmp_path):
@@ -117,6 +123,9 @@ def test_a_rolling_restart_of_the_only_worker_answers_every_request(redis_alone,
     assert re.search(r"stopping: finishing [12] request", logs(old))
 
 
+# Four worker starts one after another (each loads torch and the model: tens of seconds on a loaded
+# 2-core machine) and three heartbeat lapses: more than the module's 180 s could hold there.
+@pytest.mark.timeout(420)
 def test_a_job_that_kills_its_worker_fails_after_its_retries_and_the_rest_complete(
         redis_alone, tiny_model_dirs, tmp_path):
     poison = [7, 7, 7, 7, 7]
@@ -135,7 +144,9 @@ def test_a_job_that_kills_its_worker_fails_after_its_retries_and_the_rest_comple
     supervisor.start()
     try:
         wait_until(lambda: MODEL in models_served(port), [api], "the stack")
-        client = make_client(port)
+        # The answers wait for all of that too: a client timeout of 300 s, not make_client's 60 s (the
+        # test is about which requests fail and how, not how fast workers restart).
+        client = make_client(port).with_options(timeout=300)
         prompts = [[5, 6, 8, 9], poison, [10, 11, 12], [13, 14]]
         with ThreadPoolExecutor(4) as pool:  # one batch: the worker waits 300 ms for it to fill
             # Greedy: a sampled reply may end at its first token, 0 tokens, a count the test refuses.
@@ -144,7 +155,7 @@ def test_a_job_that_kills_its_worker_fails_after_its_retries_and_the_rest_comple
             outcomes = []
             for future in futures:
                 try:
-                    outcomes.append(future.result(timeout=120).usage.completion_tokens)
+                    outcomes.append(future.result(timeout=330).usage.completion_tokens)
                 except openai.InternalServerError as failed:
                     outcomes.append(failed.code)
     finally:

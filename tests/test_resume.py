@@ -83,8 +83,25 @@ def test_a_streams_tokens_are_recorded_with_its_text_also_while_the_text_is_held
     assert 0 < any_redis.ttl(keys.written(MODEL, "job-0")) <= job_queue.LEASE_TTL_S
 
 
+class _FakeMonotonic:
+    """worker.job_queue's `time`, its monotonic clock moved only by the test: "not due yet" holds
+    however long a loaded machine takes between the take and the first publish (a real 0.3 s
+    interval could pass there)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
 def test_whole_jobs_are_recorded_once_an_interval_all_in_one_call(any_redis, monkeypatch):
     monkeypatch.setattr(job_queue, "RECORD_INTERVAL_S", 0.3)
+    clock = _FakeMonotonic()
+    monkeypatch.setattr(job_queue, "time", clock)
     queue = JobQueue(any_redis, "w1", MODEL)
     push_jobs(any_redis, 0, 1, 2)  # not streamed (max_tokens 2)
     seqs = _taken(queue, 3)
@@ -94,7 +111,10 @@ def test_whole_jobs_are_recorded_once_an_interval_all_in_one_call(any_redis, mon
     assert queue.publish(seqs) == ([], [])
     assert calls == []  # not due: no call at all
     assert not any(_record(any_redis, s.id) for s in seqs)
-    time.sleep(0.35)
+    clock.now += 0.29
+    calls.clear()
+    assert queue.publish(seqs) == ([], []) and calls == []  # still not due, just before the interval
+    clock.now += 0.02
     calls.clear()
     assert queue.publish(seqs) == ([], [])
     assert calls == ["EVALSHA"]

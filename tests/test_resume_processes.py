@@ -105,6 +105,7 @@ def test_a_worker_killed_mid_stream_its_jobs_resume_on_the_other(pool, redis_alo
         assert not any(s.finish for s in streams), "a stream ended before the kill: it was not mid-stream"
         for s in streams:
             s.thread.join(60)
+        finished_at = time.monotonic()  # here, not after the processes' stops below (seconds each, loaded)
         survivor_index = 1 - workers.index(victim)
         after = scrape(f"http://127.0.0.1:{metrics_ports[survivor_index]}/metrics")
         survivor = workers[survivor_index]
@@ -112,7 +113,9 @@ def test_a_worker_killed_mid_stream_its_jobs_resume_on_the_other(pool, redis_alo
         for proc in procs:
             stop(proc)
     assert victim.returncode == -signal.SIGKILL
-    assert held[victim.pid] > 0 and time.monotonic() - killed_at < 60
+    # Taken back once the victim's 3 s heartbeat lapsed, and finished seconds later; a crowd left to
+    # its 300 s request_timeout would not be done in 60 s, a bound no load on 2 cores comes near.
+    assert held[victim.pid] > 0 and finished_at - killed_at < 60
     assert [s.text for s in streams] == undisturbed, logs(survivor)
     assert all(s.finish == "length" and s.usage == pool.max_tokens for s in streams)
     # The survivor wrote every token of the crowd but the ones it resumed: the written part of each

@@ -181,7 +181,9 @@ def test_second_ctrl_c_stops_at_once(tmp_path, tag, tiny_model_dirs):  # noqa: F
     began = time.monotonic()
     serve.ctrl_c()
     assert serve.wait() == 0, serve.output()[-4000:]
-    assert time.monotonic() - began < 5, "the second Ctrl-C waited for the drain"
+    # What tells it from a drain is the stream cut below (a drain would finish it); the bound only
+    # says the stop did not hang (gunicorn's graceful timeout is 30 s), with room for any load.
+    assert time.monotonic() - began < 25, "the second Ctrl-C waited for the drain"
     with pytest.raises((openai.APIConnectionError, httpx2.HTTPError)):  # the stream was cut, not finished
         for _ in stream:
             pass
@@ -278,8 +280,10 @@ def test_ctrl_c_stops_the_api_alone_without_a_traceback(tmp_path, tag, redis_ser
         connection.close()
     began = time.monotonic()
     os.killpg(api.pid, signal.SIGINT)
-    assert api.wait(20) == 0, out.read_text()
-    assert time.monotonic() - began < 5, "Ctrl-C did not stop the API at once"
+    assert api.wait(30) == 0, out.read_text()
+    # At once, not after gunicorn's 30 s graceful timeout, which the open keep-alive connection would
+    # have it wait out: 20 s tells the two apart on a loaded 2-core machine.
+    assert time.monotonic() - began < 20, "Ctrl-C did not stop the API at once"
     connection.close()
     assert "Traceback" not in out.read_text(), out.read_text()
     assert "failed with SystemExit" not in out.read_text(), out.read_text()

@@ -59,8 +59,10 @@ def test_a_stopping_worker_whose_redis_is_gone_leaves_after_a_while(monkeypatch)
     done = threading.Event()
     threading.Thread(target=lambda: (worker.run(), done.set()), daemon=True).start()
     started = time.monotonic()
-    assert done.wait(10), "the worker never left"
-    assert 0.5 <= time.monotonic() - started < 5
+    assert done.wait(20), "the worker never left"
+    # Not before its 0.5 s wait (load only lengthens it); the upper bound tells its setting from the
+    # 30 s default, with room for a loaded 2-core machine.
+    assert 0.5 <= time.monotonic() - started < 20
 
 
 # Queued jobs when workers stop: the last ones take them (worker.Worker._admit).
@@ -126,7 +128,10 @@ def test_a_stopping_worker_leaves_the_queue_to_a_live_one(any_redis):
     ids = _queue_jobs(any_redis, 3)
     started = time.monotonic()
     _run_all([_stopped_worker(any_redis, "w")])
-    assert time.monotonic() - started < 5
+    # It leaves in its first round, milliseconds in process (one that waited for the queue to empty
+    # would never leave: the peer here takes nothing, and _run_all's join says so). 10 s: room for
+    # any load on 2 cores.
+    assert time.monotonic() - started < 10
     assert _answered(any_redis, ids) == []
     assert any_redis.llen(keys.queue(MODEL)) == 3
     assert JobQueue(any_redis, "peer", MODEL).others_taking() is False  # "w" left: nobody but the peer
