@@ -35,7 +35,9 @@ def test_no_worker_then_redis_down_give_fast_503(tmp_path):
             began = time.monotonic()
             with pytest.raises(openai.InternalServerError) as caught:
                 client.completions.create(model=MODEL, prompt="Once", max_tokens=2)
-            assert time.monotonic() - began < 3, "a 503 must come at once, not after retries"
+            # At once: well under 15 s even on a loaded 2-core machine, where waiting for a worker
+            # would take the API's 60 s grace (or the 300 s request timeout).
+            assert time.monotonic() - began < 15, "a 503 must come at once, not after waiting for a worker"
             assert caught.value.status_code == 503 and caught.value.code == "service_unavailable"
             assert expected_words in caught.value.message
 

@@ -188,4 +188,6 @@ def test_a_real_build_loads_works_is_reused_and_prunes_old_builds(tmp_path):
     assert "building" not in log and "built" not in log
     assert (build / ".ninja_log").read_text() == ninja_log  # ninja ran nothing
     assert (build / (kernels.NAME + ".so")).stat().st_mtime_ns == library
-    assert second["s"] < 10, second  # loaded, not built (a build is ~35-60 s)
+    # Loaded, not built: the ninja log and the library's time above say so; the time only has to
+    # stay under a build's (~35-60 s on 2 quiet cores), with room for a loaded machine.
+    assert second["s"] < 30, second
