@@ -12,7 +12,7 @@ import threading
 import time
 
 from shared import keys
-from shared.protocol import Final, Job, TextDelta, WorkerInfo, encode_result
+from shared.protocol import Failure, Final, Job, TextDelta, WorkerInfo, encode_result
 from tests.tiny_models import tiny_tokenizer
 from worker import model_loader
 from worker.job_queue import JobQueue
@@ -91,6 +91,48 @@ def reply_in_pieces(client, pieces: list[str], seen: list, model: str = MODEL) -
         job = Job.from_json(raw)
         seen.append((job, raw, client.get(keys.grammar(model, job.params.grammar)) if job.params.grammar else None))
         channel, offset = keys.channel(model, job.id), 0
+        for piece in pieces[:-1]:
+            client.publish(channel, encode_result(TextDelta(piece, offset, 1)))
+            offset += len(piece)
+        final = encode_result(Final(text="".join(pieces), finish_reason="stop", prompt_tokens=len(job.prompt_ids),
+                                    completion_tokens=len(pieces)))
+        client.set(keys.answer(model, job.id), final)
+        client.publish(channel, final)
+    threading.Thread(target=work, daemon=True).start()
+
+
+def reply_within_grammar(client, pieces: list[str], seen: list, llguidance_tokenizer, model: str = MODEL) -> None:
+    """reply_in_pieces' worker bound, as a real one is, by the grammar its job names: before it
+    writes, it matches the whole reply (its tokens, then the end of text) against the grammar
+    stored in Redis (llguidance's matcher on `llguidance_tokenizer`, api.tokenizers.Tokenizer's
+    .llguidance()). A reply the grammar allows is streamed; one it rejects is not written: the job
+    gets a Failure (code "grammar_rejected"), so the request fails. Keeps (job, its JSON, the
+    grammar, whether it allowed the reply; None without a grammar) in `seen`."""
+    import llguidance
+
+    def work():
+        for _ in range(500):
+            raw = client.lpop(keys.queue(model))
+            if raw:
+                break
+            time.sleep(0.01)
+        job = Job.from_json(raw)
+        grammar = client.get(keys.grammar(model, job.params.grammar)) if job.params.grammar else None
+        allowed = None
+        if job.params.grammar:
+            assert grammar is not None, f"the job's grammar {job.params.grammar} is not in Redis"
+            matcher = llguidance.LLMatcher(llguidance_tokenizer, grammar.decode(), log_level=0)
+            allowed = bool(matcher.consume_tokens(llguidance_tokenizer.tokenize_str("".join(pieces)))
+                           and matcher.consume_token(llguidance_tokenizer.eos_token))
+        seen.append((job, raw, grammar, allowed))
+        channel = keys.channel(model, job.id)
+        if allowed is False:
+            failure = encode_result(Failure(f"the reply {''.join(pieces)!r} breaks the job's grammar",
+                                            code="grammar_rejected"))
+            client.set(keys.answer(model, job.id), failure)
+            client.publish(channel, failure)
+            return
+        offset = 0
         for piece in pieces[:-1]:
             client.publish(channel, encode_result(TextDelta(piece, offset, 1)))
             offset += len(piece)

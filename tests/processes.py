@@ -71,18 +71,21 @@ class RedisServer:
 
 
 def _env(**extra) -> dict:
-    """The environment without any Storyteller setting (a stray PORT or MODEL must not leak in)."""
+    """The environment without any Storyteller setting (a stray PORT or MODEL must not leak in).
+    `extra` adds to it; a name given None is left out (OMP_NUM_THREADS=None: torch's own thread
+    count, one per core, instead of the one thread set here)."""
     env = dict(os.environ)
     for f in fields(Settings):
         env.pop(f.metadata.get("env") or f.name.upper(), None)
     # One torch thread: the machine has 2 cores and the tiny model gains nothing from more.
     env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     env.update(extra)
-    return env
+    return {name: value for name, value in env.items() if value is not None}
 
 
 def start(args: list[str], log_dir: Path, name: str, **env) -> subprocess.Popen:
-    """`python -m ...` from the repository root, its stdout and stderr in log_dir/name.{out,err}."""
+    """`python -m ...` from the repository root, its stdout and stderr in log_dir/name.{out,err};
+    `env` as _env takes it (None: that variable unset)."""
     out, err = open(log_dir / f"{name}.out", "wb"), open(log_dir / f"{name}.err", "wb")
     proc = subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, env=_env(**env), stdout=out, stderr=err)
     proc.log_files = (log_dir / f"{name}.out", log_dir / f"{name}.err")

@@ -4,8 +4,9 @@ On the packaged SmolLM2 with the default settings (its GGUF blocks, the default 
 not only on tiny random models, whose path differs: the kernel's bits for one row at every step
 size and place in the step, a prompt's cache blocks however it was chunked, and a crowd of
 requests arriving at random steps, with shared prefixes, preemption, greedy and seeded, streamed
-and not, each writing exactly what it writes alone. And the same on the packaged file requantized by
-llama.cpp's quantizer to what users download (Q4_K_M, Q8_0, Q4_0: the K-quant tensors made dense at
+and not, each writing 32-40 tokens and exactly what it writes alone (and the control: the same
+check finds requests that differ under --int4-rows 16, a setting that is not invariant). And the
+same on the packaged file requantized by llama.cpp's quantizer to what users download (Q4_K_M, Q8_0, Q4_0: the K-quant tensors made dense at
 load, on csrc/dense_panels.h; Q4_0 read as Q4_1, on the integer kernel): each says "+invariant" and its crowd, with preemption,
 writes what each request writes alone.
 """
@@ -40,9 +41,9 @@ def _engine(loaded, **settings):
     return continuous.build(loaded, Settings(**settings), loaded.weights(), loaded.config)
 
 
-def _alone(loaded):
+def _alone(loaded, **settings):
     """What each request writes alone: an engine of its own, idle between requests, no prefix cache."""
-    engine = _engine(loaded, prefix_caching=False)
+    engine = _engine(loaded, prefix_caching=False, **settings)
     cache = {}
 
     def write(job: Job):
@@ -68,12 +69,34 @@ def requantized(request, smollm2_gguf):
     return loaded, _alone(loaded)
 
 
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as cpuinfo:
+        return next((set(line.split(":", 1)[1].split()) for line in cpuinfo if line.startswith("flags")), set())
+
+
+def _integer_kernel_here() -> str:
+    """The integer kernel this CPU's instruction sets call for (the headers' conditions,
+    csrc/panels.h and csrc/int8.h): the VNNI panels with AVX-512 F, BW and VNNI, the fastest at
+    every row count there; else the AVX2 one with AVX2, FMA and F16C."""
+    flags = _cpu_flags()
+    if {"avx512f", "avx512bw", "avx512_vnni"} <= flags:
+        return "int8-vnni-panels"
+    if {"avx2", "fma", "f16c"} <= flags:
+        return "int8-avx2"
+    pytest.skip("no integer kernel for this CPU (neither AVX-512 VNNI nor AVX2): the default worker is not "
+                "batch-invariant here")
+
+
 def test_the_default_worker_is_batch_invariant_and_says_so(smollm2):
+    expected = _integer_kernel_here()
     engine = _engine(smollm2)
+    assert expected in engine.runner.kernel.PATHS, (expected, engine.runner.kernel.PATHS)  # built for this CPU
     assert engine.numerics.endswith("+invariant"), engine.numerics
-    # Its Q4_1 and Q8_0 blocks on an integer kernel (VNNI panels, or AVX2 where the CPU has no VNNI).
-    assert all(layer.small in INVARIANT and layer.small != "dense-panels" and layer.weight is None
-               for layer in engine.runner.model.linears())
+    # Its Q4_1 and Q8_0 blocks on the integer kernel this CPU calls for, at every step, none dense.
+    linears = engine.runner.model.linears()
+    assert {layer.path for layer in linears} == {expected}, {layer.path for layer in linears}
+    assert all(layer.weight is None for layer in linears)
+    assert expected in engine.numerics, engine.numerics
 
 
 def test_a_requantized_file_is_batch_invariant_and_says_so(requantized):
@@ -140,50 +163,75 @@ def test_a_prompt_leaves_the_same_cache_blocks_however_it_was_chunked(smollm2):
         assert torch.equal(blocks[chunk], blocks[512]), chunk
 
 
-def _crowd(loaded, count: int, seed: int) -> list[tuple[int, Job]]:
-    """(arrival step, job): random prompt lengths (sharing prefixes), max_tokens and arrivals; every
-    other one seeded with top-p, a third streamed."""
+TOKENS = (32, 40)  # each crowd request writes this many, end of text ignored: long enough to diverge
+
+
+def _crowd(loaded, count: int, seed: int, spread: int = 60) -> list[tuple[int, Job]]:
+    """(arrival step, job): random prompt lengths (sharing prefixes), max_tokens (TOKENS) and
+    arrivals (over `spread` steps); every other one seeded with top-p, a third streamed."""
     rng = random.Random(seed)
     shared = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 100))) for _ in range(5)]
     jobs = []
     for i in range(count):
         seeded = i % 2 == 1
-        params = SamplingParams(max_tokens=rng.randint(1, 12), temperature=0.8 if seeded else 0.0,
+        params = SamplingParams(max_tokens=rng.randint(*TOKENS), temperature=0.8 if seeded else 0.0,
                                 top_p=0.95 if i % 4 == 1 else 1.0, seed=1000 + i if seeded else None,
                                 ignore_eos=True)
-        jobs.append((rng.randint(0, 60), Job(id=f"r{i}", model="m", prompt_ids=_prompt(rng, loaded, shared, rng.randint(1, 60)),
+        jobs.append((rng.randint(0, spread), Job(id=f"r{i}", model="m", prompt_ids=_prompt(rng, loaded, shared, rng.randint(1, 60)),
                                            params=params, timeout_s=300, stream=i % 3 == 0)))
     return jobs
 
 
+def _differ_from_alone(engine, jobs, alone) -> list[str]:
+    """The crowd written on `engine` (each job added at its arrival step): the ids of the jobs that
+    wrote other tokens or text than `alone` gives."""
+    seqs = write_arriving(engine, jobs)
+    return [job.id for _, job in jobs if (seqs[job.id].output_ids, seqs[job.id].text) != alone(job)]
+
+
 @pytest.mark.parametrize("pool", ["roomy", "preempting"])
 def test_a_crowd_writes_what_each_request_writes_alone(smollm2, alone, pool):
-    """≥ 100 requests, greedy and seeded, streamed and not, arriving at random steps with shared
-    prefixes (prefix caching on); once with a pool small enough to force preemption."""
-    jobs = _crowd(smollm2, 104, seed=3 if pool == "roomy" else 4)
-    # 12 blocks of 16 tokens hold the longest request (~120 tokens) but not the crowd: running requests
+    """24 requests of 32-40 tokens, greedy and seeded, streamed and not, arriving at random steps
+    with shared prefixes (prefix caching on); once with a pool small enough to force preemption.
+    The same crowd both times (what each writes alone is computed once)."""
+    jobs = _crowd(smollm2, 24, seed=3)
+    longest = max(len(job.prompt_ids) + job.params.max_tokens for _, job in jobs)
+    assert longest <= 14 * 16, longest
+    # 14 blocks of 16 tokens hold the longest request (~200 tokens) but not the crowd: running requests
     # that need a block when none is free preempt the newest (untimed steps: the same schedule each run).
-    engine = _engine(smollm2, kv_blocks=12, max_stretch=0) if pool == "preempting" else _engine(smollm2)
-    seqs = write_arriving(engine, jobs)
+    engine = _engine(smollm2, kv_blocks=14, max_stretch=0) if pool == "preempting" else _engine(smollm2)
+    differ = _differ_from_alone(engine, jobs, alone)
     stats = engine.stats()
     assert stats["prefix_hit_blocks"] > 0
     if pool == "preempting":
         assert stats["preempted"] > 0
-    differ = [job.id for _, job in jobs if (seqs[job.id].output_ids, seqs[job.id].text) != alone(job)]
     assert not differ, f"{len(differ)} of {len(jobs)} wrote other text than alone: {differ}"
+
+
+def test_the_crowd_check_finds_the_difference_a_setting_that_is_not_invariant_makes(smollm2):
+    """The negative control of the crowd check: --int4-rows 16 runs the integer kernel on steps of up
+    to 16 rows and the dense product (torch's, whose sums change with the number of rows) beyond,
+    so a crowd's decode steps of more than 16 rows are not what each writes alone. The fingerprint
+    says so, and the same check, against each request alone on the same setting, finds them: the
+    check can fail. 24 requests arriving in 10 steps, so that most decode steps hold more than 16."""
+    engine = _engine(smollm2, int4_rows=16, max_stretch=0)
+    assert not engine.numerics.endswith("+invariant") and "-to-16-rows+dense" in engine.numerics, engine.numerics
+    jobs = _crowd(smollm2, 24, seed=9, spread=10)
+    differ = _differ_from_alone(engine, jobs, _alone(smollm2, int4_rows=16))
+    assert differ, "--int4-rows 16: every request of the crowd wrote what it writes alone"
 
 
 def test_a_requantized_files_crowd_writes_what_each_request_writes_alone(requantized):
     """On each file, a crowd arriving close together, greedy and seeded, streamed and not, with
     shared prefixes and a pool small enough to force preemption: each writes what it writes alone.
-    Smaller than the packaged file's crowds (12 requests arriving in 6 steps, not 104 in 60): the
-    dense panels are slower than the integer kernels. Each writes 20-28 tokens, past the one block
+    Smaller than the packaged file's crowds (12 requests arriving in 6 steps, not 24 in 60): the
+    dense panels are slower than the integer kernels. Each writes 32-40 tokens, past the one block
     of margin it is admitted with, so the running ones outgrow the pool and the newest is preempted."""
     loaded, alone = requantized
     jobs = [(step // 12, Job(id=job.id, model=job.model, prompt_ids=job.prompt_ids, timeout_s=job.timeout_s,
-                             stream=job.stream, params=SamplingParams(**{**vars(job.params), "max_tokens": 20 + i % 3 * 4})))
+                             stream=job.stream, params=SamplingParams(**{**vars(job.params), "max_tokens": TOKENS[0] + i % 3 * 4})))
             for i, (step, job) in enumerate(_crowd(loaded, 12, seed=8))]
-    engine = _engine(loaded, kv_blocks=12, max_stretch=0)
+    engine = _engine(loaded, kv_blocks=14, max_stretch=0)  # 224 tokens: the longest request, not the crowd
     seqs = write_arriving(engine, jobs)
     stats = engine.stats()
     assert stats["prefix_hit_blocks"] > 0 and stats["preempted"] > 0, stats
@@ -192,8 +240,9 @@ def test_a_requantized_files_crowd_writes_what_each_request_writes_alone(requant
 
 
 def test_an_engine_built_again_writes_the_same_texts(smollm2, alone):
-    """A worker started again (or another of the pool, same fingerprint) computes the same bits."""
-    jobs = _crowd(smollm2, 24, seed=5)
+    """A worker started again (or another of the pool, same fingerprint) computes the same bits.
+    (The crowd tests' requests: what each writes alone is known already.)"""
+    jobs = _crowd(smollm2, 24, seed=3)
     seqs = write_arriving(_engine(smollm2), jobs)
     assert [seqs[job.id].output_ids for _, job in jobs] == [alone(job)[0] for _, job in jobs]
 
@@ -207,7 +256,7 @@ def test_a_model_with_dense_weights_is_batch_invariant_too(dtype):
     if not engine.numerics.endswith("+invariant"):
         pytest.skip(f"no row-wise dense kernel for {dtype} on this CPU ({engine.numerics})")
     assert {layer.path for layer in engine.runner.model.linears()} == {"dense-panels"}
-    jobs = _crowd(loaded, 32, seed=6)
+    jobs = _crowd(loaded, 16, seed=6)  # 16, not 48: the dense panels are slower than the integer kernels
     seqs = write_arriving(engine, jobs)
     single = continuous.build(loaded, Settings(prefix_caching=False), loaded.model.state_dict(), loaded.config)
     for _, job in jobs:
@@ -238,9 +287,9 @@ def test_penalties_and_grammars_keep_the_crowd_equal_to_alone(smollm2):
               dict(logit_bias={"29": 5.0, "30": -100.0}), dict(min_p=0.1), dict(grammar=digests[0]),
               dict(grammar=digests[1], frequency_penalty=0.5), dict(min_tokens=6, stop_token_ids=[30]), dict()]
     jobs = [(step, Job(id=job.id, model="m", prompt_ids=job.prompt_ids, timeout_s=300, stream=job.stream,
-                       params=SamplingParams(**{**vars(job.params), "max_tokens": 24 if i % 8 in (4, 5) else 10,
+                       params=SamplingParams(**{**vars(job.params), "max_tokens": 40 if i % 8 in (4, 5) else TOKENS[0],
                                                 "ignore_eos": i % 8 not in (4, 5), **extras[i % 8]})))
-            for i, (step, job) in enumerate(_crowd(smollm2, 40, seed=6))]
+            for i, (step, job) in enumerate(_crowd(smollm2, 24, seed=6))]
 
     def add(engine, job, written=None):
         constraint = grammars.constraint(job.params.grammar) if job.params.grammar else None

@@ -452,11 +452,44 @@ def test_a_tool_call_history_goes_through_the_chat_template(client):  # noqa: F8
     assert reply.usage.prompt_tokens > 0 and reply.choices[0].finish_reason in ("stop", "length")
 
 
+PRESENCE, FREQUENCY = 1.5, 1.0  # within OpenAI's bounds (±2), large against the tiny model's logits
+
+
+def _greedy_with_logprobs(client, **penalties):  # noqa: F811
+    """(text, each written token's logprob entry): greedy, 24 tokens whatever it writes, with the
+    20 likeliest tokens of each step, as the model scores them (before penalties)."""
+    reply = client.chat.completions.create(model="tiny-llama", messages=CHAT, max_tokens=24, temperature=0,
+                                           logprobs=True, top_logprobs=20, extra_body={"ignore_eos": True},
+                                           **penalties)
+    choice = reply.choices[0]
+    assert len(choice.logprobs.content) == 24 == reply.usage.completion_tokens
+    return choice.message.content, choice.logprobs.content
+
+
 def test_the_openai_client_s_penalties_are_honoured_by_the_stack_s_workers(client):  # noqa: F811
+    """Greedy with presence and frequency penalties writes, at every step, the token whose
+    penalised score is the highest, OpenAI's l - f * c(t) - p * (c(t) > 0) (c: times t was written
+    so far in this reply) over the model's own logprobs, which the reply reports (before penalties:
+    worker/logprobs.py). The same request without them repeats tokens (greedy on the tiny random
+    model loops), so the penalties change the text. A token is known by its bytes (byte-level BPE:
+    one token each)."""
     # Needs the worker to announce FEATURE_PENALTIES (the continuous engine does).
-    reply = client.completions.create(model="tiny-llama", prompt="Once upon a time", max_tokens=4, seed=3,
-                                      presence_penalty=1.5, frequency_penalty=0.5, extra_body={"min_p": 0.05})
-    assert reply.usage.completion_tokens >= 1
+    plain_text, plain = _greedy_with_logprobs(client)
+    assert len({bytes(e.bytes) for e in plain}) < len(plain), plain_text  # it repeats itself unpenalised
+    text, written = _greedy_with_logprobs(client, presence_penalty=PRESENCE, frequency_penalty=FREQUENCY)
+    assert text != plain_text
+    counts: dict[bytes, int] = {}
+
+    def penalised(entry) -> float:
+        count = counts.get(bytes(entry.bytes), 0)
+        return entry.logprob - FREQUENCY * count - PRESENCE * (count > 0)
+
+    for step, entry in enumerate(written):
+        best = max(entry.top_logprobs, key=penalised)
+        assert penalised(entry) >= penalised(best) - 1e-4, (step, entry.token, best.token, text)
+        counts[bytes(entry.bytes)] = counts.get(bytes(entry.bytes), 0) + 1
+    # And the penalties did pick against the model's own choice at least once.
+    assert any(entry.logprob < max(t.logprob for t in entry.top_logprobs) - 1e-4 for entry in written), text
 
 
 def test_a_static_engine_pool_refuses_features_through_redis(stack, client, tiny_model_dirs, tmp_path):  # noqa: F811

@@ -6,8 +6,9 @@ mask makes its replies fit: 50 sampled replies to a JSON schema with an enum, an
 a bounded string are all valid JSON of the schema; regex and choice likewise, on both routes,
 streamed too; a reply cut by max_tokens says "length". On the packaged SmolLM2 (slow: its chat
 template and context hold the tools' system message): a named tool's and "required"'s calls'
-arguments match their schema, whole and streamed; with "auto" every reply is either text or a
-valid call; a conversation with a call and its result goes through.
+arguments match their schema, whole and streamed; with "auto", after a conversation that
+had a call, the greedy reply is a valid call and sampled replies are text or valid calls, both
+happening; a conversation with a call and its result goes through.
 """
 from __future__ import annotations
 
@@ -168,17 +169,48 @@ def test_a_streamed_call_comes_in_tool_call_deltas(smollm2):
     assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]
 
 
+# A conversation in which the assistant already answered a weather question by a call: after it,
+# SmolLM2 asked about the weather again calls the tool itself with "auto" (greedy: always; sampled:
+# some replies call, some answer in text). Without this history it never calls (it writes prose).
+ROME = [{"role": "user", "content": "What is the weather in Rome today?"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city":"Rome","unit":"celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 degrees"},
+        {"role": "assistant", "content": "It is sunny in Rome, 21 degrees."}]
+
+
+@pytest.mark.slow
+def test_with_auto_the_model_calls_the_tool_when_it_chooses_to(smollm2):
+    """"auto" lets the model call: the greedy reply is a call, parsed into tool_calls, its
+    arguments valid against the function's parameters (and naming the city asked about)."""
+    done = smollm2.chat.completions.create(model=PACKAGED_NAME, messages=ROME + WEATHER_ASK, tools=TOOLS,
+                                           tool_choice="auto", temperature=0, max_tokens=60)
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls", choice.message
+    assert choice.message.content is None
+    (call,) = choice.message.tool_calls
+    _valid_call(call)
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] == "Paris"
+
+
 @pytest.mark.slow
 def test_with_auto_every_reply_is_text_or_a_valid_call(smollm2):
-    done = smollm2.chat.completions.create(model=PACKAGED_NAME, messages=WEATHER_ASK, tools=TOOLS, n=8, seed=3,
-                                           temperature=1.0, max_tokens=60)
+    """Sampled, with "auto": each reply is either text (not a call's JSON) or one valid call, and
+    both happen among the 8 (the seeded draws of this engine give 4 of each)."""
+    done = smollm2.chat.completions.create(model=PACKAGED_NAME, messages=ROME + WEATHER_ASK, tools=TOOLS, n=8,
+                                           seed=3, temperature=1.0, max_tokens=60)
+    kinds = []
     for choice in done.choices:
         if choice.finish_reason == "tool_calls":
             assert choice.message.content is None
-            _valid_call(choice.message.tool_calls[0])
+            (call,) = choice.message.tool_calls
+            _valid_call(call)
         else:
             assert choice.message.tool_calls is None and choice.message.content
             assert not choice.message.content.lstrip().startswith("{")
+        kinds.append(choice.finish_reason == "tool_calls")
+    assert any(kinds) and not all(kinds), [c.message for c in done.choices]
 
 
 @pytest.mark.slow
