@@ -53,14 +53,35 @@ def completion_body(**fields) -> dict:
 seen_jobs: list[Job] = []
 
 
-def next_job(client, model: str, tries: int = 200) -> Job:
-    """The next job queued for `model`, as a stand-in worker takes it (polling: fakeredis)."""
-    for _ in range(tries):
-        raw = client.lpop(keys.queue(model))
-        if raw:
-            return Job.from_json(raw)
+# How long a stand-in worker waits for its job: the API queues it in milliseconds, but a loaded
+# 2-core machine can take seconds; a stand-in that gave up sooner would fail a test for nothing.
+TAKE_TIMEOUT_S = 30
+
+
+def _take(client, model: str) -> bytes:
+    """The next job queued for `model`, as JSON, as a stand-in worker takes it (polling: fakeredis)."""
+    give_up = time.monotonic() + TAKE_TIMEOUT_S
+    while time.monotonic() < give_up:
+        if raw := client.lpop(keys.queue(model)):
+            return raw
         time.sleep(0.01)
-    raise AssertionError(f"no job for {model} was queued")
+    raise AssertionError(f"no job for {model} was queued within {TAKE_TIMEOUT_S} s")
+
+
+def next_job(client, model: str) -> Job:
+    return Job.from_json(_take(client, model))
+
+
+def _stream(client, model: str, job: Job, pieces: list[str]) -> None:
+    """Publish `pieces` as the job's text deltas, then its final answer (also stored)."""
+    channel, offset = keys.channel(model, job.id), 0
+    for piece in pieces[:-1]:
+        client.publish(channel, encode_result(TextDelta(piece, offset, 1)))
+        offset += len(piece)
+    final = encode_result(Final(text="".join(pieces), finish_reason="stop", prompt_tokens=len(job.prompt_ids),
+                                completion_tokens=len(pieces)))
+    client.set(keys.answer(model, job.id), final)
+    client.publish(channel, final)
 
 
 def answer_in_background(client, queue: JobQueue, publish: bool = True) -> None:
@@ -83,21 +104,10 @@ def reply_in_pieces(client, pieces: list[str], seen: list, model: str = MODEL) -
     """A stand-in worker, in the background: takes one job of `model`, keeps (job, its JSON, the
     grammar it names as stored in Redis, or None) in `seen`, and streams the reply in `pieces`."""
     def work():
-        for _ in range(500):
-            raw = client.lpop(keys.queue(model))
-            if raw:
-                break
-            time.sleep(0.01)
+        raw = _take(client, model)
         job = Job.from_json(raw)
         seen.append((job, raw, client.get(keys.grammar(model, job.params.grammar)) if job.params.grammar else None))
-        channel, offset = keys.channel(model, job.id), 0
-        for piece in pieces[:-1]:
-            client.publish(channel, encode_result(TextDelta(piece, offset, 1)))
-            offset += len(piece)
-        final = encode_result(Final(text="".join(pieces), finish_reason="stop", prompt_tokens=len(job.prompt_ids),
-                                    completion_tokens=len(pieces)))
-        client.set(keys.answer(model, job.id), final)
-        client.publish(channel, final)
+        _stream(client, model, job, pieces)
     threading.Thread(target=work, daemon=True).start()
 
 
@@ -111,11 +121,7 @@ def reply_within_grammar(client, pieces: list[str], seen: list, llguidance_token
     import llguidance
 
     def work():
-        for _ in range(500):
-            raw = client.lpop(keys.queue(model))
-            if raw:
-                break
-            time.sleep(0.01)
+        raw = _take(client, model)
         job = Job.from_json(raw)
         grammar = client.get(keys.grammar(model, job.params.grammar)) if job.params.grammar else None
         allowed = None
@@ -125,19 +131,11 @@ def reply_within_grammar(client, pieces: list[str], seen: list, llguidance_token
             allowed = bool(matcher.consume_tokens(llguidance_tokenizer.tokenize_str("".join(pieces)))
                            and matcher.consume_token(llguidance_tokenizer.eos_token))
         seen.append((job, raw, grammar, allowed))
-        channel = keys.channel(model, job.id)
         if allowed is False:
             failure = encode_result(Failure(f"the reply {''.join(pieces)!r} breaks the job's grammar",
                                             code="grammar_rejected"))
             client.set(keys.answer(model, job.id), failure)
-            client.publish(channel, failure)
+            client.publish(keys.channel(model, job.id), failure)
             return
-        offset = 0
-        for piece in pieces[:-1]:
-            client.publish(channel, encode_result(TextDelta(piece, offset, 1)))
-            offset += len(piece)
-        final = encode_result(Final(text="".join(pieces), finish_reason="stop", prompt_tokens=len(job.prompt_ids),
-                                    completion_tokens=len(pieces)))
-        client.set(keys.answer(model, job.id), final)
-        client.publish(channel, final)
+        _stream(client, model, job, pieces)
     threading.Thread(target=work, daemon=True).start()

@@ -70,7 +70,7 @@ def _stand_in_worker(client, answers: int, fail: bool = False) -> threading.Thre
     """Takes `answers` jobs and writes each: a streamed job gets a piece of text first."""
     def run():
         for _ in range(answers):
-            job = next_job(client, FAKE_MODEL, tries=500)
+            job = next_job(client, FAKE_MODEL)
             if fail:
                 client.publish(keys.channel(job.model, job.id), encode_result(Failure("it broke", code="worker_error")))
                 continue
