@@ -37,6 +37,43 @@ def announce_worker(queue: JobQueue, ttl_s: float, draining: bool = False) -> No
     queue.heartbeat(info, ttl_s=ttl_s)
 
 
+def lapse(client, *names) -> None:
+    """The keys `names` expire as their TTLs would, run down to 1 ms rather than slept out (a test
+    gives them TTLs no loaded machine outlives before it looks); waits until Redis has dropped them."""
+    for name in names:
+        client.pexpire(name, 1)
+    give_up = time.monotonic() + 30
+    while client.exists(*names) and time.monotonic() < give_up:
+        time.sleep(0.005)
+
+
+class FakeTime:
+    """worker.job_queue's `time` (monkeypatch it in), its monotonic clock moved only by the test
+    (`now`, `advance`) and by the queue's own sleeps: what is due or waited for goes by this clock,
+    whatever a loaded machine does to real time. `schedule`: (at, what to do then), run as the clock
+    passes each moment (a job arriving mid-wait, say)."""
+
+    def __init__(self, schedule=()):
+        self.now = 0.0
+        self.schedule = sorted(schedule, key=lambda event: event[0])
+        self.sleeps = 0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps += 1
+        self.advance(seconds)
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+        while self.schedule and self.schedule[0][0] <= self.now:
+            self.schedule.pop(0)[1]()
+
+    def __getattr__(self, name):  # anything else the module reads from `time`
+        return getattr(time, name)
+
+
 def die_holding(queue: JobQueue, client) -> None:
     """The worker behind `queue` dies holding its jobs: its heartbeat expires."""
     announce_worker(queue, ttl_s=0.05)

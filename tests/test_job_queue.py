@@ -11,7 +11,7 @@ import pytest
 
 from shared import keys
 from shared.protocol import Failure, Final, Job, WorkerInfo, decode_result
-from tests.queue_jobs import MODEL, die_holding, job_ids_of, numbered_job, push_jobs
+from tests.queue_jobs import MODEL, FakeTime, die_holding, job_ids_of, lapse, numbered_job, push_jobs
 from tests.tiny_models import tiny_tokenizer
 from worker.job_queue import FILL_POLL_S, JobQueue
 from worker.sequence import Sequence
@@ -27,37 +27,11 @@ def test_a_batch_takes_at_most_its_size_in_queue_order(any_redis):
     assert any_redis.llen(keys.processing(MODEL, "w1")) == 16
 
 
-class _FakeTime:
-    """worker.job_queue's `time`, advanced only by the queue's own sleeps: jobs arrive at the
-    moments of the test's schedule in the queue's clock, whatever the machine's load does to real
-    time (a loaded machine used to push the 20 ms arrival past a real 150 ms wait)."""
-
-    def __init__(self, schedule=()):
-        self.now = 0.0
-        self.schedule = sorted(schedule, key=lambda event: event[0])  # (at, what to do then)
-        self.sleeps = 0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.sleeps += 1
-        self.advance(seconds)
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-        while self.schedule and self.schedule[0][0] <= self.now:
-            self.schedule.pop(0)[1]()
-
-    def __getattr__(self, name):  # anything else the module reads from `time`
-        return getattr(time, name)
-
-
 def test_a_batch_waits_for_late_arrivals_only_until_the_deadline(any_redis, monkeypatch):
     queue = JobQueue(any_redis, "w1", MODEL)
     push_jobs(any_redis, 0)
     # One arrives 20 ms after the first (inside a 150 ms wait), another after 400 ms (outside it).
-    fake = _FakeTime([(0.02, lambda: push_jobs(any_redis, 1)), (0.4, lambda: push_jobs(any_redis, 2))])
+    fake = FakeTime([(0.02, lambda: push_jobs(any_redis, 1)), (0.4, lambda: push_jobs(any_redis, 2))])
     monkeypatch.setattr("worker.job_queue.time", fake)
     taken = queue.take(limit=16, wait_s=0.15, block_s=1)
     assert [j.id for j in taken] == ["job-0", "job-1"]
@@ -72,7 +46,7 @@ def test_a_batch_waits_for_late_arrivals_only_until_the_deadline(any_redis, monk
 def test_a_full_batch_does_not_wait(any_redis, monkeypatch):
     queue = JobQueue(any_redis, "w1", MODEL)
     push_jobs(any_redis, *range(4))
-    fake = _FakeTime()
+    fake = FakeTime()
     monkeypatch.setattr("worker.job_queue.time", fake)
     assert len(queue.take(limit=4, wait_s=5.0, block_s=1)) == 4
     assert fake.sleeps == 0 and fake.now == 0.0  # not one poll of the 5 s fill wait
@@ -137,10 +111,7 @@ def test_jobs_of_a_dead_worker_go_back_to_the_front_of_the_queue(any_redis):
     beat = keys.heartbeat(MODEL, "dead")
     assert 0 < any_redis.pttl(beat) <= 30_000  # the heartbeat lives only its TTL, then...
     # ...it lapses (its TTL run down to 1 ms, rather than the test sleeping out 30 s).
-    any_redis.pexpire(beat, 1)
-    deadline = time.monotonic() + 30
-    while any_redis.exists(beat) and time.monotonic() < deadline:
-        time.sleep(0.005)
+    lapse(any_redis, beat)
     assert alive.requeue_dead_workers() == 2
     assert [Job.from_json(r).id for r in any_redis.lrange(keys.queue(MODEL), 0, -1)] == ["job-0", "job-1", "job-2"]
     assert not any_redis.hexists(keys.WORKERS, "dead")

@@ -6,12 +6,11 @@ priority and last-retry rules hold. On fakeredis and a real redis-server.
 from __future__ import annotations
 
 import logging
-import time
 
 import pytest
 
 from shared import keys
-from tests.queue_jobs import MODEL, announce_worker, die_holding, job_ids_of, push_jobs
+from tests.queue_jobs import MODEL, announce_worker, die_holding, job_ids_of, lapse, push_jobs
 from worker import job_queue
 from worker.job_queue import JobQueue
 
@@ -46,10 +45,7 @@ def _window_passes(any_redis) -> None:
     assert stamps
     for stamp in stamps:
         assert 0 < any_redis.pttl(stamp) <= WINDOW_S * 1000
-        any_redis.pexpire(stamp, 1)
-    deadline = time.monotonic() + 30
-    while any_redis.exists(*stamps) and time.monotonic() < deadline:
-        time.sleep(0.005)
+    lapse(any_redis, *stamps)
 
 
 def test_a_worker_of_another_numerics_passes_a_requeued_job_over_and_takes_what_is_behind_it(any_redis, caplog):

@@ -7,7 +7,6 @@ tests/test_resume_processes.py kills a real worker mid-stream.
 from __future__ import annotations
 
 import logging
-import time
 
 import pytest
 import redis
@@ -19,7 +18,7 @@ from shared import keys, metrics as names
 from shared.protocol import Final, Job, SamplingParams, TextDelta, WorkerInfo, decode_result
 from shared.settings import Settings
 from tests.engines import make_engine
-from tests.queue_jobs import MODEL, die_holding, messages_heard, push_job, push_jobs, subscribe_to
+from tests.queue_jobs import FakeTime, MODEL, die_holding, messages_heard, push_job, push_jobs, subscribe_to
 from tests.tiny_models import tiny_tokenizer
 from worker import job_queue
 from worker.job_queue import JobQueue
@@ -83,24 +82,9 @@ def test_a_streams_tokens_are_recorded_with_its_text_also_while_the_text_is_held
     assert 0 < any_redis.ttl(keys.written(MODEL, "job-0")) <= job_queue.LEASE_TTL_S
 
 
-class _FakeMonotonic:
-    """worker.job_queue's `time`, its monotonic clock moved only by the test: "not due yet" holds
-    however long a loaded machine takes between the take and the first publish (a real 0.3 s
-    interval could pass there)."""
-
-    def __init__(self):
-        self.now = 0.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def __getattr__(self, name):
-        return getattr(time, name)
-
-
 def test_whole_jobs_are_recorded_once_an_interval_all_in_one_call(any_redis, monkeypatch):
     monkeypatch.setattr(job_queue, "RECORD_INTERVAL_S", 0.3)
-    clock = _FakeMonotonic()
+    clock = FakeTime()  # "not due yet" holds however long a loaded machine takes before a publish
     monkeypatch.setattr(job_queue, "time", clock)
     queue = JobQueue(any_redis, "w1", MODEL)
     push_jobs(any_redis, 0, 1, 2)  # not streamed (max_tokens 2)
