@@ -21,6 +21,7 @@ from shared.protocol import Job, SamplingParams
 from shared.settings import Settings
 from tests.engines import run_until_idle, write, write_arriving
 from worker.continuous import engine as continuous
+from worker.continuous import kernels
 from tests.gguf_files import SMOLLM2_TYPES
 from worker.continuous.linear import EVERY_STEP, INVARIANT, Linear
 from worker.continuous.weights import Q41, Q80
@@ -69,16 +70,11 @@ def requantized(request, smollm2_gguf):
     return loaded, _alone(loaded)
 
 
-def _cpu_flags() -> set[str]:
-    with open("/proc/cpuinfo") as cpuinfo:
-        return next((set(line.split(":", 1)[1].split()) for line in cpuinfo if line.startswith("flags")), set())
-
-
 def _integer_kernel_here() -> str:
     """The integer kernel this CPU's instruction sets call for (the headers' conditions,
     csrc/panels.h and csrc/int8.h): the VNNI panels with AVX-512 F, BW and VNNI, the fastest at
     every row count there; else the AVX2 one with AVX2, FMA and F16C."""
-    flags = _cpu_flags()
+    flags = set(kernels.cpu_flags().split())
     if {"avx512f", "avx512bw", "avx512_vnni"} <= flags:
         return "int8-vnni-panels"
     if {"avx2", "fma", "f16c"} <= flags:
@@ -232,10 +228,9 @@ def test_a_requantized_files_crowd_writes_what_each_request_writes_alone(requant
                              stream=job.stream, params=SamplingParams(**{**vars(job.params), "max_tokens": TOKENS[0] + i % 3 * 4})))
             for i, (step, job) in enumerate(_crowd(loaded, 12, seed=8))]
     engine = _engine(loaded, kv_blocks=14, max_stretch=0)  # 224 tokens: the longest request, not the crowd
-    seqs = write_arriving(engine, jobs)
+    differ = _differ_from_alone(engine, jobs, alone)
     stats = engine.stats()
     assert stats["prefix_hit_blocks"] > 0 and stats["preempted"] > 0, stats
-    differ = [job.id for _, job in jobs if (seqs[job.id].output_ids, seqs[job.id].text) != alone(job)]
     assert not differ, f"{loaded.name}: {len(differ)} of {len(jobs)} wrote other text than alone: {differ}"
 
 
@@ -256,7 +251,7 @@ def test_a_model_with_dense_weights_is_batch_invariant_too(dtype):
     if not engine.numerics.endswith("+invariant"):
         pytest.skip(f"no row-wise dense kernel for {dtype} on this CPU ({engine.numerics})")
     assert {layer.path for layer in engine.runner.model.linears()} == {"dense-panels"}
-    jobs = _crowd(loaded, 16, seed=6)  # 16, not 48: the dense panels are slower than the integer kernels
+    jobs = _crowd(loaded, 16, seed=6)  # 16, fewer than the others: the dense panels are slower than the integer kernels
     seqs = write_arriving(engine, jobs)
     single = continuous.build(loaded, Settings(prefix_caching=False), loaded.model.state_dict(), loaded.config)
     for _, job in jobs:
