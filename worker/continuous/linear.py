@@ -27,7 +27,7 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
-from worker.continuous.weights import GROUP, Q41, Q80, Quantized
+from worker.continuous.weights import GROUP, Q41, QUANTIZED, KQuant, Quantized, dense_float
 
 PACK_ROWS_HINT = 64  # oneDNN blocks the packed weight for steps of about this many rows
 EVERY_STEP = -1  # --int4-rows: the quantized kernel at every step size (the default)
@@ -37,25 +37,39 @@ SMALL_KERNELS = ("auto", "int8", "int4", "bytes", "dense")
 EVERY_ROW = 1 << 62  # small_rows of a layer whose one kernel runs every step
 # The kernels whose product gives a row the same bits whatever shares its step (each output summed
 # in one order by the same instructions at any number of rows: tests/test_invariance.py).
-INVARIANT = ("int8-vnni-panels", "int8-avx2", "dense-panels")
+# csrc/kquants.h, by the instruction set it was built for (one of the two is in a build).
+KQUANT_PATHS = ("int8-vnni-kquants", "int8-avx2-kquants")
+INVARIANT = ("int8-vnni-panels", "int8-avx2", "dense-panels") + KQUANT_PATHS
 
 
 class Linear:
-    def __init__(self, weight: Union[torch.Tensor, Quantized], bias: Optional[torch.Tensor], dtype,
+    def __init__(self, weight: Union[torch.Tensor, Quantized, list], bias: Optional[torch.Tensor], dtype,
                  device, small_rows: int = 0, kernel=None, dense: Optional[torch.Tensor] = None,
                  small: str = "auto"):
         """`kernel`: the engine's C++ module (kernels.build), or None. `dense`: the weight already
         dequantized in `dtype` on `device` (a tied embedding's table), shared instead of made again.
         `small_rows`: steps of up to this many rows take the kernel `small` (SMALL_KERNELS; "auto":
         `pick_kernel`'s; for a dense weight, "auto" at every step is csrc/dense_panels.h where this
-        CPU runs it), EVERY_STEP all of them, 0 none: the dense product."""
-        quantized = isinstance(weight, (Q41, Q80))
+        CPU runs it), EVERY_STEP all of them, 0 none: the dense product. A list of quantized
+        matrices of different types (weights.fuse) is a stack: each part on its own type's kernel,
+        the outputs side by side."""
+        self.parts = []
+        if isinstance(weight, list):
+            self.parts = [Linear(part, None, dtype, device, small_rows, kernel, small=small) for part in weight]
+            if all(part.weight is None for part in self.parts):  # every part has a kernel at every step
+                self._stack(bias, device, dtype, kernel)
+                return
+            self.parts = []
+            weight = torch.cat([dense_float(part) for part in weight])  # some part needs a dense product anyway
+        quantized = isinstance(weight, QUANTIZED)
         cpu = device.type == "cpu" and kernel is not None
         self.small = None  # the kernel of steps up to small_rows (a name of INVARIANT, "bytes", "int4")
         if quantized and small_rows and (cpu or small == "int4"):
             self.small = pick_kernel(small, kernel)
             if self.small == "int8":
-                self.small = "int8-vnni-panels" if hasattr(kernel, "panel_linear") else "int8-avx2"
+                self.small = _int8_path(kernel, isinstance(weight, KQuant))
+            elif isinstance(weight, KQuant):
+                self.small = None  # the float ("bytes") and torch's int4 kernels take Q4_1 and Q8_0 only
             if self.small == "int4" and not isinstance(weight, Q41):
                 self.small = None  # torch's int4 kernel takes 4-bit values only
         elif not quantized and small_rows == EVERY_STEP and small == "auto" and cpu and \
@@ -76,12 +90,13 @@ class Linear:
                     self.onednn = False
         self.out_features = weight.shape[0]
         self.q4_1 = isinstance(weight, Q41)
+        self.code = weight.code if isinstance(weight, KQuant) else -1  # csrc/kquants.h's type code
         self.kernel = kernel
         self.packed = self.scales_zeros = None  # the weight as the small steps' kernel reads it
         self.q = self.d = self.m = None  # the file's own: a byte per weight, a scale and minimum per group
         if self.small == "int4":
             self.packed, self.scales_zeros = weight.pack_int4(dtype)
-        elif self.small == "int8-vnni-panels":
+        elif self.small in KQUANT_PATHS or self.small == "int8-vnni-panels":
             self.packed = weight.panel_packed()
         elif self.small == "int8-avx2":
             self.packed = weight.int8_packed()
@@ -90,6 +105,15 @@ class Linear:
             self.d, self.m = weight.d.contiguous(), weight.m
         elif self.small == "dense-panels":
             self.packed = pack_dense_panels((dense if dense is not None else weight).to(device=device, dtype=dtype))
+
+    def _stack(self, bias, device, dtype, kernel) -> None:
+        """This layer as the stack of its parts (each already made), outputs side by side."""
+        self.small = "+".join(sorted({part.path for part in self.parts}))
+        self.small_rows = EVERY_ROW
+        self.bias = None if bias is None else bias.to(device=device, dtype=dtype)
+        self.weight = None
+        self.out_features = sum(part.out_features for part in self.parts)
+        self.kernel = kernel
 
     @property
     def path(self) -> str:
@@ -101,9 +125,14 @@ class Linear:
     @property
     def invariant(self) -> bool:
         """Whether a row's product is the same whatever else its step holds."""
+        if self.parts:
+            return all(part.invariant for part in self.parts)
         return self.small in INVARIANT and self.small_rows >= EVERY_ROW
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parts:
+            out = torch.cat([part(x) for part in self.parts], dim=1)
+            return out if self.bias is None else out + self.bias
         if x.shape[0] <= self.small_rows:
             if self.small == "int4":
                 out = torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
@@ -111,6 +140,8 @@ class Linear:
                 out = self.kernel.panel_linear(x, self.packed, self.q4_1)
             elif self.small == "int8-avx2":
                 out = self.kernel.int8_linear(x, self.packed, self.q4_1)
+            elif self.small in KQUANT_PATHS:
+                out = self.kernel.kquant_linear(x, self.packed, self.code)
             elif self.small == "dense-panels":
                 out = self.kernel.dense_panel_linear(x, self.packed)
             else:
@@ -123,11 +154,21 @@ class Linear:
     def for_kernel(self):
         """This layer as the C++ decoder holds it (sharing these tensors, not copying them). Its path
         goes by the code the C++ table gives its name (csrc/linear.h: the module's PATHS)."""
+        if self.parts:
+            return self.kernel.Linear.stack([part.for_kernel() for part in self.parts])
         a, b, c = {"int4": (self.packed, self.scales_zeros, None),
                    "bytes": (self.q, self.d, self.m)}.get(self.small, (self.packed, None, None))
         weight = self.weight if self.weight is not None else torch.empty(0)
         return self.kernel.Linear(weight, self.onednn, self.kernel.PATHS[self.small or "dense"], self.q4_1,
-                                  a, b, c, self.small_rows)
+                                  a, b, c, self.small_rows, self.code)
+
+
+def _int8_path(kernel, kquant: bool) -> str:
+    """The integer kernel this build runs for a matrix: the K-quant one for a KQuant, else the VNNI
+    panels where built, else int8.h's (AVX2)."""
+    if kquant:
+        return next(name for name in KQUANT_PATHS if name in kernel.PATHS)
+    return "int8-vnni-panels" if hasattr(kernel, "panel_linear") else "int8-avx2"
 
 
 def _dense_panels_take(kernel, dtype, shape) -> bool:

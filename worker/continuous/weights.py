@@ -17,6 +17,8 @@ import gguf
 import numpy as np
 import torch
 
+from worker.continuous.kquants import KQuant, packable
+
 GROUP = 32  # Q4_1 and Q8_0 blocks: 32 weights along the input dimension share a scale
 PANEL = 16  # output features csrc/panels.h takes together (one int32 lane each)
 
@@ -138,7 +140,8 @@ class Q80:
         return _panels(q, [self.d])
 
 
-Quantized = Union[Q41, Q80]
+Quantized = Union[Q41, Q80, KQuant]
+QUANTIZED = (Q41, Q80, KQuant)  # for isinstance: a matrix kept in the file's blocks
 
 
 def _halves(values: torch.Tensor) -> torch.Tensor:
@@ -164,17 +167,30 @@ def _chunked(parts: list[torch.Tensor], groups: int) -> torch.Tensor:
     return torch.cat(pieces, dim=1).contiguous()
 
 
-def fuse(parts: list) -> Union[torch.Tensor, Quantized]:
-    """Weights stacked by output rows (QKV, gate and up): one matrix product instead of several."""
-    for kind in (Q41, Q80):  # one type throughout: stacked as it is, for that type's kernels
-        if all(isinstance(p, kind) for p in parts):
-            return kind.cat(parts)
-    return torch.cat([p.dequantize() if isinstance(p, (Q41, Q80)) else p for p in parts])
+def fuse(parts: list) -> Union[torch.Tensor, Quantized, list]:
+    """Weights stacked by output rows (QKV, gate and up): one matrix product instead of several.
+    Quantized parts of more than one type (a Q4_K_M file's Q4_K queries and keys beside Q6_K
+    values) stay a list of runs of one type each, every run on its own type's kernel; a float
+    part among quantized ones makes the whole stack dense."""
+    if all(isinstance(p, QUANTIZED) for p in parts):
+        runs = []
+        for p in parts:
+            if runs and _same_kind(runs[-1][-1], p):
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        stacked = [type(run[0]).cat(run) if len(run) > 1 else run[0] for run in runs]
+        return stacked[0] if len(stacked) == 1 else stacked
+    return torch.cat([dense_float(p) for p in parts])
+
+
+def _same_kind(a, b) -> bool:
+    return type(a) is type(b) and (not isinstance(a, KQuant) or a.ggml_type == b.ggml_type)
 
 
 def dense_float(weight: Union[torch.Tensor, Quantized]) -> torch.Tensor:
     """A weight as a float32 matrix, dequantized if the file keeps it quantized."""
-    return weight.dequantize() if isinstance(weight, (Q41, Q80)) else weight.float()
+    return weight.dequantize() if isinstance(weight, QUANTIZED) else weight.float()
 
 
 def quantize_q4_1(weight: torch.Tensor) -> Q41:
@@ -194,8 +210,9 @@ def read_gguf(path: str):
 
 
 def decode(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> torch.Tensor | Quantized:
-    """One tensor's bytes (uint8, a row of the tensor per row) as a Q41, a Q80 or a float32 tensor of
-    `shape` (torch order), in memory of its own rather than the file's mapping."""
+    """One tensor's bytes (uint8, a row of the tensor per row) as a Q41, a Q80, a KQuant or a float32
+    tensor of `shape` (torch order). A KQuant keeps `raw` (the file's mapping, until packed); the
+    others are in memory of their own."""
     if ggml_type == _Q4_1:
         return _unpack_q4_1(raw, *shape)
     if ggml_type == _Q4_0:
@@ -209,8 +226,10 @@ def decode(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> torch.Ten
     if ggml_type == _BF16:  # numpy has no bfloat16: widen the bits to float32's by hand
         bits = np.ascontiguousarray(raw).view(np.uint16).astype(np.uint32) << 16
         return torch.from_numpy(bits.view(np.float32)).view(shape)
-    # Every other type (Q5_0, the K-quants, ...) is made dense by gguf's numpy reference, the
-    # same code transformers' loader and the tests' references use; kernels for them come later.
+    if packable(ggml_type, shape):  # the K-quants, Q5_0, Q5_1: their own kernel (kquants.py)
+        return KQuant(raw, ggml_type, tuple(shape))
+    # Every other type (Q2_K, IQ*, ...) is made dense by gguf's numpy reference, the same code
+    # transformers' loader and the tests' references use.
     return torch.from_numpy(gguf.quants.dequantize(np.ascontiguousarray(raw), ggml_type)).view(shape)
 
 

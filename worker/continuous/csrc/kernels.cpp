@@ -56,9 +56,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("PATHS") = paths;
   py::class_<Linear>(m, "Linear")
       .def(py::init<torch::Tensor, bool, int64_t, bool, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
-                    c10::optional<torch::Tensor>, int64_t>(),
+                    c10::optional<torch::Tensor>, int64_t, int64_t>(),
            py::arg("weight"), py::arg("onednn"), py::arg("path"), py::arg("q4_1"), py::arg("a"), py::arg("b"),
-           py::arg("c"), py::arg("small_rows"))
+           py::arg("c"), py::arg("small_rows"), py::arg("code") = -1)
+      .def_static("stack", &Linear::stack, "a stack of layers, their outputs side by side", py::arg("parts"))
       .def("__call__", &Linear::operator(), "the layer's product, as the decoder runs it (tests)",
            py::call_guard<py::gil_scoped_release>());
   m.def("quantized_linear", &quantized_linear, "x @ w.T for a Q4_1 (uint8) or Q8_0 (int8) weight (CPU)",
@@ -71,6 +72,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_panel_linear", &dense_panel_linear, "x @ w.T for a dense weight in panels, summed over k in order (AVX-512)",
         py::call_guard<py::gil_scoped_release>());
   m.def("dense_panel_dtypes", &dense_panel_dtypes, "the dtypes dense_panel_linear takes on this CPU");
+#endif
+#ifdef STORYTELLER_KQUANTS
+  m.def("kquant_linear", &kquant_linear, "x @ w.T for a K-quant, Q5_0 or Q5_1 weight packed in panels, x rounded to 8 bits per group of 32",
+        py::arg("x"), py::arg("w"), py::arg("type"), py::call_guard<py::gil_scoped_release>());
 #endif
 #ifdef STORYTELLER_INT8
   m.def("int8_linear", &int8_linear, "x @ w.T with x rounded to 8 bits per group of 32 (AVX-512 VNNI or AVX2)",

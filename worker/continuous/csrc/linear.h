@@ -14,12 +14,13 @@
 #include "int8.h"
 #include "panels.h"
 #include "dense_panels.h"
+#include "kquants.h"
 
 namespace storyteller {
 
 // How a layer's small steps (up to Linear::small_rows rows) run; the names are linear.py's (and the
 // numerics fingerprint's). "dense": no small path, every step takes the dense product.
-enum class Path : int64_t { dense = 0, int4, bytes, int8_avx2, int8_vnni_panels, dense_panels };
+enum class Path : int64_t { dense = 0, int4, bytes, int8_avx2, int8_vnni_panels, dense_panels, kquants_vnni, kquants_avx2 };
 
 struct PathRow {
   Path path;
@@ -42,6 +43,13 @@ constexpr bool HAVE_DENSE_PANELS = true;
 #else
 constexpr bool HAVE_DENSE_PANELS = false;
 #endif
+#ifdef STORYTELLER_KQUANTS_VNNI
+constexpr bool HAVE_KQUANTS_VNNI = true, HAVE_KQUANTS_AVX2 = false;
+#elif defined(STORYTELLER_KQUANTS)
+constexpr bool HAVE_KQUANTS_VNNI = false, HAVE_KQUANTS_AVX2 = true;
+#else
+constexpr bool HAVE_KQUANTS_VNNI = false, HAVE_KQUANTS_AVX2 = false;
+#endif
 
 constexpr PathRow PATH_TABLE[] = {
     {Path::dense, "dense", true},                        // torch's or oneDNN's product of `weight`
@@ -50,6 +58,8 @@ constexpr PathRow PATH_TABLE[] = {
     {Path::int8_avx2, "int8-avx2", HAVE_INT8},           // int8.h: a = packed
     {Path::int8_vnni_panels, "int8-vnni-panels", HAVE_PANELS},  // panels.h: a = packed
     {Path::dense_panels, "dense-panels", HAVE_DENSE_PANELS},    // dense_panels.h: a = packed
+    {Path::kquants_vnni, "int8-vnni-kquants", HAVE_KQUANTS_VNNI},  // kquants.h: a = packed, code = its type
+    {Path::kquants_avx2, "int8-avx2-kquants", HAVE_KQUANTS_AVX2},  // the same, built for AVX2
 };
 
 // The paths this build runs, name -> code (bound as the module's PATHS).
@@ -62,28 +72,47 @@ inline std::vector<std::pair<std::string, int64_t>> paths_here() {
 
 // A dense weight (oneDNN-packed bf16, or plain; empty where no step uses it) and, for steps of up to
 // `small_rows` rows, the weight in the form `path`'s kernel reads (a, b, c: PATH_TABLE says which).
-// `q4_1`: the quantized kernels' weight is Q4_1 (two weights a byte), else Q8_0.
+// `q4_1`: the quantized kernels' weight is Q4_1 (two weights a byte), else Q8_0; `code`: kquants.h's
+// type. A stack (`parts`, weights.fuse's matrices of more than one type) is its parts' outputs side
+// by side, each part on its own path.
 struct Linear {
+  Linear() = default;
   torch::Tensor weight;
-  bool onednn;
-  Path path;
-  bool q4_1;
+  bool onednn = false;
+  Path path = Path::dense;
+  bool q4_1 = false;
   c10::optional<torch::Tensor> a, b, c;
-  int64_t small_rows;
+  int64_t small_rows = 0;
+  int64_t code = -1;
+  std::vector<Linear> parts;
+
+  static Linear stack(std::vector<Linear> parts) {
+    TORCH_CHECK(!parts.empty(), "Linear.stack: no parts");
+    Linear out;
+    out.parts = std::move(parts);
+    return out;
+  }
 
   Linear(torch::Tensor weight, bool onednn, int64_t path, bool q4_1, c10::optional<torch::Tensor> a,
-         c10::optional<torch::Tensor> b, c10::optional<torch::Tensor> c, int64_t small_rows)
+         c10::optional<torch::Tensor> b, c10::optional<torch::Tensor> c, int64_t small_rows, int64_t code)
       : weight(std::move(weight)), onednn(onednn), path(static_cast<Path>(path)), q4_1(q4_1), a(std::move(a)),
-        b(std::move(b)), c(std::move(c)), small_rows(small_rows) {
+        b(std::move(b)), c(std::move(c)), small_rows(small_rows), code(code) {
     bool known = false;
     for (const PathRow& row : PATH_TABLE) known |= row.here && static_cast<int64_t>(row.path) == path;
     TORCH_CHECK(known, "Linear: kernel path ", path, " is not one this build runs (see the module's PATHS)");
     TORCH_CHECK(this->path == Path::dense || this->a.has_value(), "Linear: the small steps' weight is missing");
+    TORCH_CHECK(this->path != Path::kquants_vnni && this->path != Path::kquants_avx2 || code >= 0,
+                "Linear: a K-quant path needs its type's code");
     TORCH_CHECK(this->path != Path::int4 && this->path != Path::bytes || this->b.has_value(),
                 "Linear: the small steps' scales are missing");
   }
 
   torch::Tensor operator()(const torch::Tensor& x) const {
+    if (!parts.empty()) {
+      std::vector<torch::Tensor> outs;
+      for (const Linear& part : parts) outs.push_back(part(x));
+      return at::cat(outs, 1);
+    }
     if (x.size(0) <= small_rows) switch (path) {
         case Path::int4: return at::_weight_int4pack_mm_for_cpu(x, *a, 32, *b);
         case Path::bytes: return quantized_linear(x, *a, *b, c);
@@ -95,6 +124,10 @@ struct Linear {
 #endif
 #ifdef STORYTELLER_DENSE_PANELS
         case Path::dense_panels: return dense_panel_linear(x, *a);
+#endif
+#ifdef STORYTELLER_KQUANTS
+        case Path::kquants_vnni:
+        case Path::kquants_avx2: return kquant_linear(x, *a, code);
 #endif
         default: break;  // dense (the constructor refused a path this build lacks)
       }

@@ -1,0 +1,363 @@
+// Products with the blocks of llama.cpp's K-quant files (Q4_K, Q5_K, Q6_K, and the Q5_0 and Q5_1
+// a Q4_K_M or Q5_K_M file puts where rows are no multiple of 256) against 8-bit activations, 16
+// output features a vector, on AVX-512 VNNI or on AVX2.
+//
+// Every type is read as unsigned integers u of 4, 5 or 6 bits with a scale per 32 (Q6_K: per 16)
+// weights, w = S u - M, where S and M come from the file's bytes exactly:
+//   Q4_K, Q5_K: S = d sc, M = dmin m (d, dmin float16 per 256 weights; sc, m 6-bit per 32)
+//   Q6_K:       S = d sc (sc a signed byte per 16), M = 32 S (u = q + 32)
+//   Q5_0:       S = d, M = 16 d               Q5_1: S = d, M = -m (float16 per 32)
+// d sc is exact in float32 (11 + 6 bits), so these are the file's weights bit for bit.
+//
+// The step's activations are rounded to 8 bits per group of 32, q = round(x 127 / max|x|),
+// dx = max|x| / 127 (llama.cpp rounds a K-quant's activations per 256: a finer grouping, one
+// float scale per 32 integer sums instead of one per 256, costs a multiply-add per group and
+// halves the largest rounding step within a block). Then, per group and output feature,
+//   sum_i w_i x^_i = dx (S (u . q) - M sum(q))
+// u . q is an integer sum of 32 bytes: vpdpbusd on AVX-512 VNNI, vpmaddubsw and vpmaddwd on AVX2
+// (a pair of products is at most 2 * 63 * 127, inside int16); the zero points of Q6_K and Q5_0 are
+// integers and start that sum (-32 sum(q), per 16 for Q6_K), so they cost nothing per weight;
+// M sum(q) (Q4_K, Q5_K, Q5_1) is one float multiply-add per group with sum(q) counted once a step.
+// With the rounded activations the product is exact but for float32's rounding of these few
+// terms: the only difference from the float reference is x's rounding, about 0.4% of a group's
+// largest activation.
+//
+// Why one row's result cannot depend on the others: each output is made by one thread, group
+// after group in order, with the same instructions whatever the number of rows beside it (the row
+// tile only unrolls a loop over rows), and the rounding of x is per row (rowwise.h). No timing
+// picks a path.
+//
+// The weights, as worker/continuous/kquants.py packs them: per panel of 16 output features and
+// per superblock of 256 weights (Q5_0, Q5_1: per group), a header of 16 float16 d (and 16 dmin),
+// then per group of 32: 4 blocks of 64 bytes of nibbles (byte b of feature f in block j: the low
+// 4 bits of weight 4j + b in its low nibble, of weight 16 + 4j + b in its high one: block j's two
+// halves are its "vectors" 2j and 2j + 1), then the higher bits: Q5, 64 bytes whose bit v is bit 4
+// of vector v's weight in that byte; Q6, 2 x 64 bytes with two bits of each of vectors 0-3 and
+// 4-7 (bits 2t, 2t + 1: vector 4k + t); then the scales: 16 sc and 16 m (bytes), or Q6_K's 16 + 16
+// signed sc (weights 0-15, 16-31), or Q5_0's 16 d, or Q5_1's 16 d and 16 -m (float16). The same
+// bytes per weight as the file, give or take a header's alignment.
+#pragma once
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include "rowwise.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define STORYTELLER_KQUANTS 1
+#define STORYTELLER_KQUANTS_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define STORYTELLER_KQUANTS 1
+#endif
+
+#ifdef STORYTELLER_KQUANTS
+#include <immintrin.h>
+
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <utility>
+
+namespace storyteller {
+namespace kquants {
+
+constexpr int64_t GROUP = 32;
+constexpr int64_t LANES = 16;  // output features per panel
+constexpr int64_t MIN_WORK = 1 << 19;  // multiply-adds per thread's share at least: a parallel region costs ~10 us
+
+// The types, by the codes kquants.py packs them under.
+enum Type : int { Q4_K = 0, Q5_K = 1, Q6_K = 2, Q5_0 = 3, Q5_1 = 4 };
+
+template <int T>
+struct Format {
+  static constexpr int bits = T == Q4_K ? 4 : T == Q6_K ? 6 : 5;
+  static constexpr int64_t super = T == Q5_0 || T == Q5_1 ? 1 : 8;  // groups per header
+  static constexpr int64_t header = T == Q6_K ? 32 : T == Q4_K || T == Q5_K ? 64 : 0;
+  static constexpr int64_t high = bits == 4 ? 0 : bits == 5 ? 64 : 128;
+  static constexpr int64_t scales = T == Q5_1 ? 64 : 32;
+  static constexpr int64_t group = 256 + high + scales;
+  static constexpr bool minimum = T == Q4_K || T == Q5_K || T == Q5_1;  // M is a float per group
+  static constexpr int zero = T == Q6_K ? 32 : T == Q5_0 ? 16 : 0;     // M is zero * S, an integer
+  static constexpr bool halves = T == Q6_K;                             // a scale per 16 weights
+  static constexpr int64_t bytes(int64_t G) { return G / super * header + G * group; }  // a panel's
+};
+
+// 16 int32 (or 64 byte) lanes and 16 float lanes: one AVX-512 register, or two AVX2 ones. The
+// kernel below is written once against these; each operation does the same to every lane on
+// either instruction set.
+#ifdef STORYTELLER_KQUANTS_VNNI
+constexpr int ROWS = 8;  // rows per pass over a panel: an accumulator and an integer sum each
+struct Ints { __m512i v; };
+struct Floats { __m512 v; };
+static inline Ints load(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
+static inline Ints bytes(int b) { return {_mm512_set1_epi8(static_cast<char>(b))}; }
+static inline Ints splat(int32_t v) { return {_mm512_set1_epi32(v)}; }
+static inline Ints operator&(Ints a, Ints b) { return {_mm512_and_si512(a.v, b.v)}; }
+static inline Ints operator|(Ints a, Ints b) { return {_mm512_or_si512(a.v, b.v)}; }
+// Each 16-bit lane shifted by n (left if n > 0): with a byte mask after it, a shift of every byte.
+template <int N>
+static inline Ints shift(Ints a) {
+  if constexpr (N > 0) return {_mm512_slli_epi16(a.v, N)};
+  else if constexpr (N < 0) return {_mm512_srli_epi16(a.v, -N)};
+  else return a;
+}
+// acc + the sums of four products of u's bytes (unsigned) with x4's (signed), per int32 lane.
+static inline Ints dot4(Ints acc, Ints u, int32_t x4) { return {_mm512_dpbusd_epi32(acc.v, u.v, _mm512_set1_epi32(x4))}; }
+static inline Floats to_floats(Ints a) { return {_mm512_cvtepi32_ps(a.v)}; }
+static inline Floats splatf(float v) { return {_mm512_set1_ps(v)}; }
+static inline Floats zerof() { return {_mm512_setzero_ps()}; }
+static inline Floats mul(Floats a, Floats b) { return {_mm512_mul_ps(a.v, b.v)}; }
+static inline Floats fma(Floats a, Floats b, Floats c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+static inline Floats halves16(const uint8_t* p) {
+  return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+}
+static inline Floats ubytes16(const uint8_t* p) {
+  return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+}
+static inline Floats sbytes16(const uint8_t* p) {
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+}
+static inline void store(Floats a, float* p) { _mm512_storeu_ps(p, a.v); }
+#else
+constexpr int ROWS = 4;  // AVX2 has 16 registers, and each of these takes two
+struct Ints { __m256i a, b; };
+struct Floats { __m256 a, b; };
+static inline Ints load(const uint8_t* p) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+}
+static inline Ints bytes(int b) { const __m256i v = _mm256_set1_epi8(static_cast<char>(b)); return {v, v}; }
+static inline Ints splat(int32_t v) { const __m256i s = _mm256_set1_epi32(v); return {s, s}; }
+static inline Ints operator&(Ints x, Ints y) { return {_mm256_and_si256(x.a, y.a), _mm256_and_si256(x.b, y.b)}; }
+static inline Ints operator|(Ints x, Ints y) { return {_mm256_or_si256(x.a, y.a), _mm256_or_si256(x.b, y.b)}; }
+template <int N>
+static inline Ints shift(Ints x) {
+  if constexpr (N > 0) return {_mm256_slli_epi16(x.a, N), _mm256_slli_epi16(x.b, N)};
+  else if constexpr (N < 0) return {_mm256_srli_epi16(x.a, -N), _mm256_srli_epi16(x.b, -N)};
+  else return x;
+}
+static inline __m256i dot4_half(__m256i acc, __m256i u, __m256i x) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
+}
+static inline Ints dot4(Ints acc, Ints u, int32_t x4) {
+  const __m256i x = _mm256_set1_epi32(x4);
+  return {dot4_half(acc.a, u.a, x), dot4_half(acc.b, u.b, x)};
+}
+static inline Floats to_floats(Ints x) { return {_mm256_cvtepi32_ps(x.a), _mm256_cvtepi32_ps(x.b)}; }
+static inline Floats splatf(float v) { const __m256 s = _mm256_set1_ps(v); return {s, s}; }
+static inline Floats zerof() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline Floats mul(Floats x, Floats y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
+static inline Floats fma(Floats x, Floats y, Floats z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
+static inline Floats halves16(const uint8_t* p) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))};
+}
+static inline Floats ubytes16(const uint8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)))};
+}
+static inline Floats sbytes16(const uint8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)))};
+}
+static inline void store(Floats x, float* p) { _mm256_storeu_ps(p, x.a); _mm256_storeu_ps(p + 8, x.b); }
+#endif
+
+// The step's rows of x rounded to 8 bits per group of 32, with what the kernel needs per group.
+struct Activations {
+  int64_t rows = 0, K = 0, G = 0;
+  aligned_vector<int8_t> q;      // [rows, K]
+  aligned_vector<float> dx;      // [rows, G] max|x| / 127
+  aligned_vector<float> dsum;    // [rows, G] dx sum(q): the minimum's factor
+  aligned_vector<int32_t> sums;  // [rows, 2 G] sum(q) over each half group (weights 0-15, 16-31)
+
+  template <typename T>
+  void fill(const T* x, int64_t rows_, int64_t K_) {
+    rows = rows_, K = K_, G = K_ / GROUP;
+    q.resize(rows * K);
+    dx.resize(rows * G);
+    dsum.resize(rows * G);
+    sums.resize(rows * 2 * G);
+    at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / K), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) row(x + r * K, r);
+    });
+  }
+
+ private:
+  template <typename T>
+  STORYTELLER_ROW void row(const T* x, int64_t r) {
+    for (int64_t g = 0; g < G; ++g) {
+      float v[GROUP], amax = 0.f;
+      for (int64_t i = 0; i < GROUP; ++i) {
+        v[i] = static_cast<float>(x[g * GROUP + i]);
+        amax = std::max(amax, std::fabs(v[i]));
+      }
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t half[2] = {0, 0};
+      int8_t* out = q.data() + r * K + g * GROUP;
+      for (int64_t i = 0; i < GROUP; ++i) {
+        const int32_t rounded = static_cast<int32_t>(std::nearbyint(v[i] * inv));  // to nearest, ties to even
+        out[i] = static_cast<int8_t>(rounded);
+        half[i / 16] += rounded;
+      }
+      dx[r * G + g] = amax / 127.f;
+      dsum[r * G + g] = dx[r * G + g] * static_cast<float>(half[0] + half[1]);
+      sums[(r * G + g) * 2] = half[0];
+      sums[(r * G + g) * 2 + 1] = half[1];
+    }
+  }
+};
+
+static inline int32_t four(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// Vector v's (0-7) weights' bits above the nibble, moved to bits 4 and up of each byte.
+template <int T, int V>
+static inline Ints high_bits(const uint8_t* h) {
+  if constexpr (Format<T>::bits == 5) return shift<4 - V>(load(h)) & bytes(0x10);
+  else return shift<4 - 2 * (V % 4)>(load(h + 64 * (V / 4))) & bytes(0x30);
+}
+
+// Block j of a group: its two vectors' weights (lo: weights 4j.., hi: 16 + 4j..) against rows'
+// bytes, into one integer sum per row (two for Q6_K: a scale per half group).
+template <int T, int R, int J>
+static inline void block(const uint8_t* w, const int8_t* x, int64_t K, Ints* lo_sum, Ints* hi_sum) {
+  const Ints raw = load(w + 64 * J);
+  Ints lo = raw & bytes(0x0F), hi = shift<-4>(raw) & bytes(0x0F);
+  if constexpr (Format<T>::bits > 4) {
+    lo = lo | high_bits<T, 2 * J>(w + 256);
+    hi = hi | high_bits<T, 2 * J + 1>(w + 256);
+  }
+  for (int r = 0; r < R; ++r) {
+    lo_sum[r] = dot4(lo_sum[r], lo, four(x + r * K + 4 * J));
+    Ints& to = Format<T>::halves ? hi_sum[r] : lo_sum[r];
+    to = dot4(to, hi, four(x + r * K + 16 + 4 * J));
+  }
+}
+
+// Rows r0..r0 + R of x against one panel (w: its bytes), into out [R, 16] floats.
+template <int T, int R>
+static void panel_rows(const Activations& a, int64_t r0, const uint8_t* w, float* out) {
+  using F = Format<T>;
+  Floats acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = zerof();
+  Floats d = zerof(), dmin = zerof();
+  for (int64_t g = 0; g < a.G; ++g) {
+    if (F::header && g % F::super == 0) {
+      d = halves16(w);
+      if (F::minimum) dmin = halves16(w + 32);
+      w += F::header;
+    }
+    const uint8_t* sc = w + 256 + F::high;
+    Floats scale, scale2 = zerof(), minimum = zerof();
+    if constexpr (T == Q4_K || T == Q5_K) {
+      scale = mul(d, ubytes16(sc));
+      minimum = mul(dmin, ubytes16(sc + 16));
+    } else if constexpr (T == Q6_K) {
+      scale = mul(d, sbytes16(sc));
+      scale2 = mul(d, sbytes16(sc + 16));
+    } else {
+      scale = halves16(sc);
+      if (T == Q5_1) minimum = halves16(sc + 32);
+    }
+    const int64_t at = r0 * a.G + g;
+    Ints lo_sum[R], hi_sum[R];
+    for (int r = 0; r < R; ++r) {
+      const int32_t* s = a.sums.data() + (at + r * a.G) * 2;
+      lo_sum[r] = splat(F::halves ? -F::zero * s[0] : -F::zero * (s[0] + s[1]));
+      hi_sum[r] = splat(F::halves ? -F::zero * s[1] : 0);
+    }
+    const int8_t* x = a.q.data() + r0 * a.K + g * GROUP;
+    block<T, R, 0>(w, x, a.K, lo_sum, hi_sum);
+    block<T, R, 1>(w, x, a.K, lo_sum, hi_sum);
+    block<T, R, 2>(w, x, a.K, lo_sum, hi_sum);
+    block<T, R, 3>(w, x, a.K, lo_sum, hi_sum);
+    for (int r = 0; r < R; ++r) {
+      const Floats dx = splatf(a.dx[at + r * a.G]);
+      acc[r] = fma(to_floats(lo_sum[r]), mul(scale, dx), acc[r]);
+      if (F::halves) acc[r] = fma(to_floats(hi_sum[r]), mul(scale2, dx), acc[r]);
+      if (F::minimum) acc[r] = fma(minimum, splatf(-a.dsum[at + r * a.G]), acc[r]);
+    }
+    w += F::group;
+  }
+  for (int r = 0; r < R; ++r) store(acc[r], out + r * LANES);
+}
+
+template <int T, size_t... R>
+static constexpr auto row_tiles(std::index_sequence<R...>) {
+  return std::array<void (*)(const Activations&, int64_t, const uint8_t*, float*), sizeof...(R)>{
+      panel_rows<T, static_cast<int>(R) + 1>...};
+}
+
+// y [rows, N] = x [rows, K] times the packed weight, threads splitting the panels (each output made
+// by one thread), a panel meeting ROWS rows at a time.
+template <int T, typename X>
+static void linear(const X* x, int64_t rows, int64_t K, const uint8_t* w, X* y, int64_t N) {
+  thread_local Activations kept;  // the caller's thread quantizes; its buffers outlive the call
+  Activations& a = kept;          // (named, so the threads below read the caller's, not their own)
+  a.fill(x, rows, K);
+  const int64_t panel_bytes = Format<T>::bytes(a.G);
+  static constexpr auto by_rows = row_tiles<T>(std::make_index_sequence<ROWS>());
+  const int64_t grain = std::max<int64_t>(1, MIN_WORK / (LANES * K * rows));
+  at::parallel_for(0, N / LANES, grain, [&](int64_t begin, int64_t end) {
+    alignas(64) float out[ROWS * LANES];
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
+        const int64_t n = std::min<int64_t>(ROWS, rows - r0);
+        by_rows[n - 1](a, r0, w + p * panel_bytes, out);
+        for (int64_t r = 0; r < n; ++r)  // bf16: rounded to nearest, ties to even (c10's rounding)
+          for (int64_t f = 0; f < LANES; ++f) y[(r0 + r) * N + p * LANES + f] = static_cast<X>(out[r * LANES + f]);
+      }
+  });
+}
+
+template <typename X>
+static void dispatch(int64_t type, const X* x, int64_t rows, int64_t K, const uint8_t* w, X* y, int64_t N) {
+  switch (type) {
+    case Q4_K: return linear<Q4_K>(x, rows, K, w, y, N);
+    case Q5_K: return linear<Q5_K>(x, rows, K, w, y, N);
+    case Q6_K: return linear<Q6_K>(x, rows, K, w, y, N);
+    case Q5_0: return linear<Q5_0>(x, rows, K, w, y, N);
+    case Q5_1: return linear<Q5_1>(x, rows, K, w, y, N);
+    default: TORCH_CHECK(false, "kquant_linear: unknown type code ", type);
+  }
+}
+
+static inline int64_t panel_bytes(int64_t type, int64_t G) {
+  switch (type) {
+    case Q4_K: return Format<Q4_K>::bytes(G);
+    case Q5_K: return Format<Q5_K>::bytes(G);
+    case Q6_K: return Format<Q6_K>::bytes(G);
+    case Q5_0: return Format<Q5_0>::bytes(G);
+    case Q5_1: return Format<Q5_1>::bytes(G);
+    default: return -1;
+  }
+}
+
+}  // namespace kquants
+
+// x: [rows, K] float32 or bfloat16; w: [N / 16, panel bytes] uint8 packed by kquants.py for `type`
+// (kquants::Type). Returns [rows, N] in x's type.
+static torch::Tensor kquant_linear(const torch::Tensor& x_in, const torch::Tensor& w, int64_t type) {
+  const int64_t block = type == kquants::Q5_0 || type == kquants::Q5_1 ? kquants::GROUP : 256;
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) % block == 0,
+              "kquant_linear: x [rows, K], K a multiple of 256 (Q5_0, Q5_1: of 32)");
+  const int64_t K = x_in.size(1), expected = kquants::panel_bytes(type, K / kquants::GROUP);
+  TORCH_CHECK(expected > 0, "kquant_linear: unknown type code ", type);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.size(1) == expected,
+              "kquant_linear: w must be [N / 16, ", expected, "] uint8 for this type and K");
+  const torch::Tensor x = x_in.scalar_type() == torch::kBFloat16 ? x_in.contiguous() : x_in.to(torch::kFloat32).contiguous();
+  const int64_t rows = x.size(0), N = w.size(0) * kquants::LANES;
+  auto y = torch::empty({rows, N}, x.options());
+  if (rows == 0) return y.to(x_in.scalar_type());
+  if (x.scalar_type() == torch::kBFloat16)
+    kquants::dispatch(type, x.data_ptr<c10::BFloat16>(), rows, K, w.data_ptr<uint8_t>(), y.data_ptr<c10::BFloat16>(), N);
+  else
+    kquants::dispatch(type, x.data_ptr<float>(), rows, K, w.data_ptr<uint8_t>(), y.data_ptr<float>(), N);
+  return y.to(x_in.scalar_type());
+}
+
+}  // namespace storyteller
+#endif
