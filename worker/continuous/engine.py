@@ -195,6 +195,6 @@ def numerics(model, loaded: LoadedModel, kernel) -> str:
     if loaded.device.type != "cpu" or kernel is None:
         return f"torch-{loaded.device.type}/{dtype}"
     layers = model.linears()
-    paths = "+".join(sorted({layer.path for layer in layers}))
+    paths = "+".join(sorted(set().union(*(layer.paths for layer in layers))))
     invariant = model.rows_decoder(kernel) and all(layer.invariant for layer in layers)
     return f"{paths}/{dtype}/kernels-{kernels.build_id()}" + ("+invariant" if invariant else "")

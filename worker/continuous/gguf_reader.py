@@ -1,9 +1,10 @@
 """Read a GGUF file of a common small family into Hugging Face-named tensors and a transformers config.
 
 transformers can load these files itself, but it dequantizes every block through numpy, slowly,
-and throws the 4-bit form away. This reads the same file in a fraction of a second, hands Q4_1 and
-Q8_0 matrices over still quantized (weights.py: the engine's kernels run on those blocks), and
-makes every other type dense once, at load, saying so in one log line.
+and throws the 4-bit form away. This reads the same file in a fraction of a second, hands Q4_1, Q4_0,
+Q8_0, the K-quants, Q5_0 and Q5_1 over still quantized (weights.py, kquants.py: the engine's
+kernels run on those blocks), and makes every other type dense once, at load, saying so in one
+log line.
 
 What llama.cpp's converter (convert_hf_to_gguf.py, llama-cpp-python 0.3.36) did to each family is
 undone here, so that every tensor means what the same name means in transformers' state_dict():
@@ -34,7 +35,7 @@ import numpy as np
 from transformers.integrations.gguf.reader import _read_metadata, _read_tensor_table
 
 from worker.continuous.gguf_config import UnsupportedGGUF, build_config
-from worker.continuous.weights import Q41, Q80, decode
+from worker.continuous.weights import QUANTIZED, decode
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class TensorEntry(NamedTuple):
 
 def read_gguf(path: str):
     """(config, tensors): transformers' config, and the weights by Hugging Face name as float32
-    tensors, Q41 or Q80. Raises UnsupportedGGUF, naming the file and what is wrong, for a file this
+    tensors, Q41, Q80 or KQuant. Raises UnsupportedGGUF, naming the file and what is wrong, for a file this
     cannot read faithfully."""
     blob, metadata, entries = _read_header(path)
     architecture = metadata["general.architecture"]
@@ -101,7 +102,7 @@ def read_gguf(path: str):
         tensor = _decode(blob, entry, path, order)
         if architecture == "gemma3" and name.endswith("norm.weight"):
             tensor = tensor - 1  # Gemma3Model.norm_shift
-        if not isinstance(tensor, (Q41, Q80)) and entry.ggml_type not in _FLOATS:
+        if not isinstance(tensor, QUANTIZED) and entry.ggml_type not in _FLOATS:
             dense[gguf.GGMLQuantizationType(entry.ggml_type).name] += 1
             file_bytes += entry.nbytes
             dense_bytes += tensor.numel() * tensor.element_size()

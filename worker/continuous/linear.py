@@ -123,6 +123,11 @@ class Linear:
         return self.small if self.small_rows >= EVERY_ROW else f"{self.small}-to-{self.small_rows}-rows+dense"
 
     @property
+    def paths(self) -> set:
+        """Every path this layer's products take (a stack's parts each have theirs)."""
+        return set().union(*(part.paths for part in self.parts)) if self.parts else {self.path}
+
+    @property
     def invariant(self) -> bool:
         """Whether a row's product is the same whatever else its step holds."""
         if self.parts:
