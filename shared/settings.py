@@ -109,6 +109,9 @@ class Settings:
                                          "8 bits, as llama.cpp does; batch-invariant) | int4 (torch's, exact "
                                          "weights) | bytes (float, any CPU) | dense (none: torch's "
                                          "product; not batch-invariant)")
+    kernel_isa: str = _setting("native", "the instruction sets the C++ kernels are built for: native "
+                                         "(all this CPU has) | avx2 (AVX2 only, as on a CPU without "
+                                         "AVX-512: what such a worker writes, checked here)")
     int4_head: bool = _setting(False, "also requantize the output head to 4 bits (faster for one "
                                       "player, less exact)")
     torch_threads: int = _setting(0, "threads for the model's arithmetic (0: torch's choice, one "

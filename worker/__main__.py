@@ -17,6 +17,7 @@ from shared.redis_client import connect, explain, masked
 from shared.settings import Settings
 from worker import clock, metrics, model_loader
 from worker.continuous import engine as continuous
+from worker.continuous.kernels import ISAS
 from worker.continuous.linear import check_small_kernel_name
 from worker.continuous.scheduler import POLICIES
 from worker.faults import Faults
@@ -26,7 +27,7 @@ from worker.worker import Worker
 
 FLAGS = ["redis_url", "redis_cluster", "model", "model_name", "engine", "batch", "wait_ms", "dtype", "device",
          "block_size", "kv_blocks", "kv_memory", "max_batch_tokens", "prefill_chunk", "step_fill", "max_stretch",
-         "scheduler", "prefix_caching", "int4_rows", "small_kernel", "int4_head", "torch_threads", "cache_dir",
+         "scheduler", "prefix_caching", "int4_rows", "small_kernel", "kernel_isa", "int4_head", "torch_threads", "cache_dir",
          "max_attempts", "metrics_port", "metrics_host"]
 STATIC_DEFAULT_BATCH = 64
 # A cut link stalls TCP without an error (no RST): each Redis call gives up after this, so a worker
@@ -46,6 +47,8 @@ def check(settings: Settings) -> None:
         check_small_kernel_name(settings.small_kernel)
     except ValueError as exc:
         raise SystemExit(str(exc))
+    if settings.kernel_isa not in ISAS:
+        raise SystemExit(f"--kernel-isa {settings.kernel_isa!r}: expected one of {', '.join(ISAS)}")
     if settings.int4_rows < -1:
         raise SystemExit("--int4-rows must be -1 (every step), 0 (never) or a number of tokens")
     for name in ("batch", "kv_blocks", "torch_threads", "step_fill"):

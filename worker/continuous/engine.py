@@ -167,7 +167,8 @@ def build(loaded: LoadedModel, settings: Settings, tensors: dict, model_config):
         return None
     cpu = loaded.device.type == "cpu"
     config = EngineConfig.from_settings(settings, cpu)
-    kernel = kernels.build(os.path.join(config.cache_dir, "kernels")) if cpu and config.cache_dir else None
+    kernel = kernels.build(os.path.join(config.cache_dir, "kernels"), config.kernel_isa) \
+        if cpu and config.cache_dir else None
     linear.check_small_kernel(config.small_kernel, kernel)
     model = models.build(model_config, tensors, loaded.dtype, loaded.device, config, kernel)
     for note in getattr(model, "notes", ()):  # how this model's attention runs here (sliding windows, longrope)
@@ -177,7 +178,7 @@ def build(loaded: LoadedModel, settings: Settings, tensors: dict, model_config):
         log.info("context window: %d tokens (the model's config says %d)", context, loaded.context_window)
         loaded.context_window = context
     engine = ContinuousEngine(loaded, model, config, kernel)
-    engine.numerics = numerics(model, loaded, kernel)
+    engine.numerics = numerics(model, loaded, kernel, config.kernel_isa)
     log.info("numerics: %s", engine.numerics)
     if not engine.numerics.endswith("+invariant"):
         log.warning("a request's text may depend on the other requests in its step here (%s): seeds "
@@ -186,7 +187,7 @@ def build(loaded: LoadedModel, settings: Settings, tensors: dict, model_config):
     return engine
 
 
-def numerics(model, loaded: LoadedModel, kernel) -> str:
+def numerics(model, loaded: LoadedModel, kernel, isa: str = "native") -> str:
     """The worker's numerics fingerprint (WorkerInfo.numerics): how its products run, the dtype, the
     kernels' build, and "+invariant" where each row's numbers are its own whatever shares its step:
     an invariant kernel at every step for every layer (linear.INVARIANT), inside the C++ decoder
@@ -197,4 +198,4 @@ def numerics(model, loaded: LoadedModel, kernel) -> str:
     layers = model.linears()
     paths = "+".join(sorted(set().union(*(layer.paths for layer in layers))))
     invariant = model.rows_decoder(kernel) and all(layer.invariant for layer in layers)
-    return f"{paths}/{dtype}/kernels-{kernels.build_id()}" + ("+invariant" if invariant else "")
+    return f"{paths}/{dtype}/kernels-{kernels.build_id(isa)}" + ("+invariant" if invariant else "")

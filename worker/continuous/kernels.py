@@ -50,6 +50,10 @@ log = logging.getLogger(__name__)
 SOURCES = os.path.join(os.path.dirname(__file__), "csrc")
 NAME = "storyteller_kernels"  # the module's name; each key's directory has its own copy
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+# --kernel-isa: what the build may use of this CPU. "avx2" turns AVX-512 off (every AVX-512
+# extension depends on AVX-512F), so this machine builds, runs and tests what a CPU with AVX2 alone
+# would: its own module name, flags and so build key and fingerprint.
+ISAS = {"native": [], "avx2": ["-mno-avx512f"]}
 # A build takes about a minute, more on a busy machine (docs/serving.md, "Measurements behind the
 # engine's choices"). torch's build lock is a bare file that a killed build leaves behind, and
 # torch waits on it forever: older than this, it is a dead one's.
@@ -78,9 +82,10 @@ def _clear_stale_lock(build_dir: str) -> None:
 
 
 @lru_cache(maxsize=None)
-def build(cache_dir: str = "") -> Optional[object]:
+def build(cache_dir: str = "", isa: str = "native") -> Optional[object]:
     """The compiled module (`.paged_decode`, `.Decoder`, `.PATHS`, ...), or None where it cannot be
-    built. `cache_dir` holds one directory per build key; "" builds in torch's own default place."""
+    built. `cache_dir` holds one directory per build key; "" builds in torch's own default place.
+    `isa`: a key of ISAS."""
     if os.environ.get("STORYTELLER_NO_KERNELS"):
         return None
     try:
@@ -93,21 +98,22 @@ def build(cache_dir: str = "") -> Optional[object]:
         build_dir = ""
         if cache_dir:
             cache_dir = os.path.expanduser(cache_dir)
-            build_dir = os.path.join(cache_dir, cache_key())
+            build_dir = os.path.join(cache_dir, cache_key(isa))
             os.makedirs(build_dir, exist_ok=True)
             _touch(build_dir)  # before the build: a pruner elsewhere leaves a fresh one alone
             _clear_stale_lock(build_dir)
             with open(os.path.join(build_dir, "inputs.json"), "w") as f:  # what the key stands for
-                json.dump(build_inputs(), f, indent=1)
-        library = os.path.join(build_dir, NAME + ".so")
+                json.dump(build_inputs(isa), f, indent=1)
+        name = module_name(isa)
+        library = os.path.join(build_dir, name + ".so")
         built = _mtime(library) if build_dir else None
         if built is None:
             log.info("building the C++ kernels (once per build key, ~35-60 s on 2 cores) in %s...",
                      build_dir or "torch's extension directory")
         start = time.monotonic()
-        module = load(name=NAME, sources=[os.path.join(SOURCES, "kernels.cpp")],
+        module = load(name=name, sources=[os.path.join(SOURCES, "kernels.cpp")],
                       extra_include_paths=[SOURCES], build_directory=build_dir or None,
-                      extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+                      extra_cflags=CFLAGS + ISAS[isa], extra_ldflags=["-fopenmp"], verbose=False)
         if built is None or _mtime(library) != built:  # or a rebuild ninja chose (torch's headers changed)
             log.info("built the C++ kernels in %.0f s", time.monotonic() - start)
     except Exception as exc:  # no compiler, no ninja, a read-only cache: torch's path still works
@@ -123,28 +129,32 @@ def build(cache_dir: str = "") -> Optional[object]:
     return module
 
 
+def module_name(isa: str = "native") -> str:
+    return NAME if isa == "native" else f"{NAME}_{isa}"
+
+
 @lru_cache(maxsize=None)
-def build_id() -> str:
+def build_id(isa: str = "native") -> str:
     """What the kernels' bits depend on, short (a hash of `build_inputs`). Part of a worker's
     numerics fingerprint (two workers with the same one compute the same bits for the same row)
     and the first part of the build's directory name."""
-    return digest(build_inputs())
+    return digest(build_inputs(isa))
 
 
-def cache_key() -> str:
+def cache_key(isa: str = "native") -> str:
     """The build's directory under the cache: `build_id` and where this checkout's build reads from
     (torch writes these paths into build.ninja, and ninja rebuilds when its commands change)."""
-    return f"{build_id()}-{digest(locations())[:6]}"
+    return f"{build_id(isa)}-{digest(locations())[:6]}"
 
 
 def digest(inputs: dict) -> str:
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def build_inputs() -> dict:
+def build_inputs(isa: str = "native") -> dict:
     """Everything the compiled library depends on, by name."""
     import torch
-    return {"sources": sources_digest(), "cflags": " ".join(CFLAGS), "compiler": compiler(),
+    return {"sources": sources_digest(), "cflags": " ".join(CFLAGS + ISAS[isa]), "compiler": compiler(),
             "torch": torch_version(), "cxx11_abi": str(bool(torch._C._GLIBCXX_USE_CXX11_ABI)),
             "python": sys.version, "native": native_target()}
 

@@ -44,6 +44,8 @@ torch::Tensor rms_norm_rows(torch::Tensor x, torch::Tensor weight, double eps) {
 
 }  // namespace storyteller
 
+// Classes are module_local: a process may load the native build and the --kernel-isa avx2 one side by
+// side (the tests do), and pybind11 would otherwise refuse a second "Linear".
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   using namespace storyteller;
@@ -54,7 +56,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::dict paths;
   for (const auto& [name, code] : paths_here()) paths[py::str(name)] = code;
   m.attr("PATHS") = paths;
-  py::class_<Linear>(m, "Linear")
+  py::class_<Linear>(m, "Linear", py::module_local())
       .def(py::init<torch::Tensor, bool, int64_t, bool, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
                     c10::optional<torch::Tensor>, int64_t, int64_t>(),
            py::arg("weight"), py::arg("onednn"), py::arg("path"), py::arg("q4_1"), py::arg("a"), py::arg("b"),
@@ -86,7 +88,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("mask_rows", &mask_rows, "-inf in place on each token a row's grammar bitmask does not allow",
         py::call_guard<py::gil_scoped_release>());
-  py::class_<Decoder>(m, "Decoder")
+  py::class_<Decoder>(m, "Decoder", py::module_local())
       .def(py::init<int64_t, int64_t, int64_t, double, std::string>(), py::arg("heads"), py::arg("kv_heads"),
            py::arg("head_dim"), py::arg("eps"), py::arg("activation"))
       .def("add_layer", &Decoder::add_layer, py::arg("norm1"), py::arg("qkv"), py::arg("qkv_bias"), py::arg("q_norm"),
@@ -100,7 +102,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "every layer of a step whose tokens are its rows", py::arg("x"), py::arg("positions"), py::arg("k_cache"),
            py::arg("v_cache"), py::arg("slots"), py::arg("tables"), py::arg("lengths"), py::arg("scale"),
            py::call_guard<py::gil_scoped_release>());
-  py::class_<LlamaDecoder>(m, "LlamaDecoder")
+  py::class_<LlamaDecoder>(m, "LlamaDecoder", py::module_local())
       .def(py::init<int64_t, int64_t, int64_t, double>())
       .def("add_layer", &LlamaDecoder::add_layer)
       .def("forward", &LlamaDecoder::forward, "every layer of a step of one-token decodes",
