@@ -138,7 +138,7 @@ def family_gguf_source(smollm2_tokenizer):
 
 @pytest.fixture(scope="session")
 def smollm2_gguf():
-    """smollm2_gguf(qtype): the packaged SmolLM2-135M requantized to `qtype` (Q4_K_M, Q8_0, Q4_0),
+    """smollm2_gguf(qtype): the packaged SmolLM2-135M requantized to `qtype` (Q4_K_M, Q5_K_M, Q8_0, Q4_0),
     as SmolLM2-135M-Instruct.{qtype}.gguf."""
     from tests import gguf_files
     return lambda qtype: str(gguf_files.smollm2_gguf(qtype))

@@ -35,7 +35,7 @@ CONVERTER_VERSION = "0.3.36"  # llama-cpp-python's sdist, which vendors llama.cp
 CACHE = Path(os.environ.get("STORYTELLER_GGUF_CACHE", "~/.cache/storyteller/gguf-test-files")).expanduser()
 # What model hubs serve: Q4_K_M mixes Q4_K and Q6_K tensors (and Q5_0/Q8_0 where K-blocks don't fit).
 TYPES = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K")
-SMOLLM2_TYPES = ("Q4_K_M", "Q8_0", "Q4_0")
+SMOLLM2_TYPES = ("Q4_K_M", "Q5_K_M", "Q8_0", "Q4_0")
 
 
 def quantizer() -> Path:

@@ -1,0 +1,129 @@
+"""The K-quant kernels (csrc/kquants.h, worker/continuous/kquants.py) on tensors of files llama.cpp's
+quantizer made: the packaged SmolLM2 requantized to Q4_K_M (Q4_K, Q6_K, Q5_0 tensors) and Q5_K_M
+(Q5_K, Q5_1).
+
+For each type: the unpacked integers and scales are the file's weights bit for bit (gguf's
+dequantization), the packing costs at most a few percent more bytes than the file, the product
+equals the float product of the weights with the rounded activations to float32's rounding and the
+float reference within the activations' rounding, one row's bits are the same at every step size
+and place, and all of it on the AVX2 build too (--kernel-isa avx2, built on this machine), whose
+bits equal the native build's.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from shared.settings import Settings
+from worker.continuous import kernels
+from worker.continuous.gguf_reader import _read_header
+from worker.continuous.kquants import CODES, KQuant
+from worker.continuous.linear import EVERY_STEP, Linear
+from worker.continuous.weights import Q80, fuse
+
+pytestmark = pytest.mark.slow
+
+TYPES = ("Q4_K", "Q6_K", "Q5_0", "Q5_K", "Q5_1")
+FILE_OF = {"Q4_K": "Q4_K_M", "Q6_K": "Q4_K_M", "Q5_0": "Q4_K_M", "Q5_K": "Q5_K_M", "Q5_1": "Q5_K_M"}
+ISAS = ("native", "avx2")
+
+
+@pytest.fixture(scope="module")
+def tensors(smollm2_gguf):
+    """type name -> (the first KQuant of that type in its file, the file's Q8_0 attn_v of a layer
+    beside a Q5_0 attn_q, or None)."""
+    found = {}
+    for qtype in sorted(set(FILE_OF.values())):
+        blob, _, entries = _read_header(smollm2_gguf(qtype))
+        for e in entries:
+            kind = next((t.name for t in CODES if int(t) == e.ggml_type), None)
+            if kind in TYPES and kind not in found and len(e.shape) == 2:
+                found[kind] = KQuant(blob[e.start:e.start + e.nbytes].reshape(e.shape[0], -1), e.ggml_type, tuple(e.shape))
+    assert set(found) == set(TYPES), sorted(found)
+    return found
+
+
+@pytest.fixture(scope="module", params=ISAS)
+def kernel(request):
+    module = kernels.build(os.path.join(os.path.expanduser(Settings().cache_dir), "kernels"), request.param)
+    assert module is not None and hasattr(module, "kquant_linear"), f"the {request.param} kernels did not build"
+    return module
+
+
+def _rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel rounds it: per 32, to 8 bits of max|x| / 127 (ties to even), back in float64."""
+    groups = x.double().view(x.shape[0], -1, 32)
+    amax = groups.abs().amax(-1, keepdim=True)
+    q = torch.round(groups.float() * (127 / amax.float())).double()  # the kernel multiplies in float32
+    return (q * (amax.float() / 127).double()).view(x.shape)
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_the_unpacked_blocks_are_the_files_weights_in_as_many_bytes(tensors, kind):
+    w = tensors[kind]
+    assert torch.equal(w.weights(), w.dequantize())  # S u - M, exactly gguf's reference
+    packed = w.panel_packed()
+    assert w.raw.nbytes <= packed.numel() <= 1.03 * w.raw.nbytes, (packed.numel(), w.raw.nbytes)
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_the_product_is_the_float_one_of_the_rounded_activations(tensors, kernel, kind):
+    """Against float64 products of the file's weights: with x rounded as the kernel rounds it, equal
+    but for float32's rounding; with x itself, within that rounding (~0.4% of a group's largest)."""
+    w = tensors[kind]
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(9, w.shape[1], generator=g)
+    y = kernel.kquant_linear(x, w.panel_packed(), w.code).double()
+    ref = w.dequantize().double()
+    exact = _rounded(x) @ ref.T
+    assert ((y - exact).norm() / exact.norm()).item() < 1e-5
+    float_ref = x.double() @ ref.T
+    assert ((y - float_ref).norm() / float_ref.norm()).item() < 0.01
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_one_rows_product_has_the_same_bits_at_every_step_size_and_place(tensors, kernel, kind):
+    """As the model holds it (bf16 activations, a Linear at every step), 1-512 rows."""
+    layer = Linear(tensors[kind], None, torch.bfloat16, torch.device("cpu"), EVERY_STEP, kernel)
+    assert layer.invariant and layer.path.endswith("-kquants"), layer.path
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(512, tensors[kind].shape[1], generator=g).bfloat16()
+    each = torch.cat([layer(x[i:i + 1]) for i in range(512)])  # every row alone
+    for size in list(range(1, 20)) + [31, 32, 33, 63, 64, 65, 100, 127, 128, 129, 255, 256, 300, 511, 512]:
+        for start in (0, 512 - size, (512 - size) // 2):  # the same rows at other places in the step
+            assert torch.equal(layer(x[start:start + size]), each[start:start + size]), (size, start)
+
+
+def test_the_avx2_build_writes_the_native_builds_bits(tensors):
+    """The same integer sums and float operations in the same order on either instruction set: a
+    K-quant layer's bits do not depend on whether the CPU has AVX-512."""
+    cache = os.path.join(os.path.expanduser(Settings().cache_dir), "kernels")
+    native, avx2 = kernels.build(cache), kernels.build(cache, "avx2")
+    assert "int8-avx2-kquants" in avx2.PATHS and "int8-vnni-panels" not in avx2.PATHS, sorted(avx2.PATHS)
+    g = torch.Generator().manual_seed(3)
+    for kind in TYPES:
+        w = tensors[kind]
+        packed = w.panel_packed()
+        x = torch.randn(37, w.shape[1], generator=g).bfloat16()
+        assert torch.equal(native.kquant_linear(x, packed, w.code), avx2.kquant_linear(x, packed, w.code)), kind
+
+
+def test_a_stack_of_types_is_its_parts_side_by_side(tensors, kernel):
+    """A fused projection whose parts the file stores in different types (Q4_K_M's Q5_0 queries beside
+    Q8_0 values): each part on its own kernel, in Python and in the decoder's C++ Linear alike."""
+    q = tensors["Q5_0"]
+    rows, cols = q.shape
+    g = torch.Generator().manual_seed(4)
+    v = Q80(q=torch.randint(-128, 128, (64, cols), dtype=torch.int8, generator=g),
+            d=torch.rand(64, cols // 32, generator=g).half().float() / 50)
+    stacked = fuse([q, q, v])
+    assert isinstance(stacked, list) and len(stacked) == 2 and stacked[0].shape == (2 * rows, cols)
+    layer = Linear(stacked, None, torch.bfloat16, torch.device("cpu"), EVERY_STEP, kernel)
+    parts = [Linear(p, None, torch.bfloat16, torch.device("cpu"), EVERY_STEP, kernel) for p in (q, q, v)]
+    assert layer.invariant and layer.weight is None and len(layer.paths) == 2, layer.paths
+    x = torch.randn(5, cols, generator=g).bfloat16()
+    expected = torch.cat([p(x) for p in parts], dim=1)
+    assert torch.equal(layer(x), expected)
+    assert torch.equal(layer.for_kernel()(x), expected)
