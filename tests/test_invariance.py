@@ -6,9 +6,11 @@ size and place in the step, a prompt's cache blocks however it was chunked, and 
 requests arriving at random steps, with shared prefixes, preemption, greedy and seeded, streamed
 and not, each writing 32-40 tokens and exactly what it writes alone (and the control: the same
 check finds requests that differ under --int4-rows 16, a setting that is not invariant). And the
-same on the packaged file requantized by llama.cpp's quantizer to what users download (Q4_K_M, Q8_0, Q4_0: the K-quant tensors made dense at
-load, on csrc/dense_panels.h; Q4_0 read as Q4_1, on the integer kernel): each says "+invariant" and its crowd, with preemption,
-writes what each request writes alone.
+same on the packaged file requantized by llama.cpp's quantizer to what users download (Q4_K_M,
+Q5_K_M, Q8_0, Q4_0: the K-quant, Q5_0 and Q5_1 tensors on csrc/kquants.h, Q4_0 read as Q4_1 and
+Q8_0 on the VNNI panels): each says "+invariant" and its crowd, with preemption, writes what each
+request writes alone; and on the Q4_K_M file again with the kernels built for AVX2 alone
+(--kernel-isa avx2), as a worker on a CPU without AVX-512 runs it.
 """
 from __future__ import annotations
 
@@ -62,12 +64,14 @@ def alone(smollm2):
     return _alone(smollm2)
 
 
-@pytest.fixture(scope="module", params=SMOLLM2_TYPES)
+@pytest.fixture(scope="module", params=[(t, "native") for t in SMOLLM2_TYPES] + [("Q4_K_M", "avx2")],
+                ids=lambda p: p[0] if p[1] == "native" else "-".join(p))
 def requantized(request, smollm2_gguf):
-    """(the packaged SmolLM2 requantized to the param by llama-quantize, loaded as the worker loads
-    it; what each request writes alone on it)."""
-    loaded = load(smollm2_gguf(request.param), dtype="auto", device="cpu", transformers_model=False)
-    return loaded, _alone(loaded)
+    """(the packaged SmolLM2 requantized to the param's type by llama-quantize, loaded as the worker
+    loads it; what each request writes alone on it; the settings: the param's --kernel-isa)."""
+    qtype, isa = request.param
+    loaded = load(smollm2_gguf(qtype), dtype="auto", device="cpu", transformers_model=False)
+    return loaded, _alone(loaded, kernel_isa=isa), {"kernel_isa": isa}
 
 
 def _integer_kernel_here() -> str:
@@ -98,18 +102,21 @@ def test_the_default_worker_is_batch_invariant_and_says_so(smollm2):
 def test_a_requantized_file_is_batch_invariant_and_says_so(requantized):
     """Every product on a kernel with the same bits at every step size, and the fingerprint names
     the paths: the integer kernels for Q8_0 tensors, the dense panels for the ones made dense."""
-    loaded, _ = requantized
-    engine = _engine(loaded)
+    loaded, _, settings = requantized
+    engine = _engine(loaded, **settings)
     assert engine.numerics.endswith("+invariant"), engine.numerics
     linears = engine.runner.model.linears()
-    assert all(layer.small in INVARIANT and layer.weight is None for layer in linears), \
-        {(layer.small, layer.weight is None) for layer in linears}
-    paths = {layer.small for layer in linears}
+    paths = set().union(*(layer.paths for layer in linears))
+    assert all(layer.invariant and layer.weight is None for layer in linears), paths
     assert all(path in engine.numerics for path in paths), (paths, engine.numerics)
-    if loaded.name.endswith("Q4_K_M"):  # Q4_K, Q5_0 and Q6_K tensors: made dense, on the panels
-        assert "dense-panels" in paths, paths
-    else:  # Q8_0, and Q4_0 read as the Q4_1 it is: every matrix on the integer kernel
-        assert "dense-panels" not in paths, paths
+    # Every matrix on an integer kernel, none made dense: the K-quant kernel for K-quant files'
+    # Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 tensors, the Q4_1/Q8_0 one for Q8_0 and Q4_0 (as the Q4_1 it is).
+    integer = "int8-avx2" if settings["kernel_isa"] == "avx2" else _integer_kernel_here()
+    kquants = "int8-avx2-kquants" if integer == "int8-avx2" else "int8-vnni-kquants"
+    if loaded.name.endswith("_K_M"):
+        assert kquants in paths and paths <= {kquants, integer}, paths
+    else:
+        assert paths == {integer}, paths
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
@@ -220,14 +227,14 @@ def test_the_crowd_check_finds_the_difference_a_setting_that_is_not_invariant_ma
 def test_a_requantized_files_crowd_writes_what_each_request_writes_alone(requantized):
     """On each file, a crowd arriving close together, greedy and seeded, streamed and not, with
     shared prefixes and a pool small enough to force preemption: each writes what it writes alone.
-    Smaller than the packaged file's crowds (12 requests arriving in 6 steps, not 24 in 60): the
-    dense panels are slower than the integer kernels. Each writes 32-40 tokens, past the one block
+    Smaller than the packaged file's crowds (12 requests arriving in 6 steps, not 24 in 60), to keep
+    the time of five files. Each writes 32-40 tokens, past the one block
     of margin it is admitted with, so the running ones outgrow the pool and the newest is preempted."""
-    loaded, alone = requantized
+    loaded, alone, settings = requantized
     jobs = [(step // 12, Job(id=job.id, model=job.model, prompt_ids=job.prompt_ids, timeout_s=job.timeout_s,
                              stream=job.stream, params=SamplingParams(**{**vars(job.params), "max_tokens": TOKENS[0] + i % 3 * 4})))
             for i, (step, job) in enumerate(_crowd(loaded, 12, seed=8))]
-    engine = _engine(loaded, kv_blocks=14, max_stretch=0)  # 224 tokens: the longest request, not the crowd
+    engine = _engine(loaded, kv_blocks=14, max_stretch=0, **settings)  # 224 tokens: the longest request, not the crowd
     differ = _differ_from_alone(engine, jobs, alone)
     stats = engine.stats()
     assert stats["prefix_hit_blocks"] > 0 and stats["preempted"] > 0, stats
