@@ -5,6 +5,13 @@ and profiles a few with torch.profiler. Prints a table per batch size: step time
 the operators that took the most time; writes JSON.
 
     python -m bench.profile_step --batches 1 16 64 --threads 2 --out docs/results/profile
+
+Where the whole step is one C++ call (the decoder), the operator table says little; so each step
+is also split by timing its parts alone on the same shapes: the layers' products (every Linear of
+the model on `batch` rows), the head, the sampler (a row of the vocabulary per request), and the
+rest (attention, norms, rotary, the engine's Python) as what the step takes beyond them.
+
+    python -m bench.profile_step --model path/to/model.Q4_K_M.gguf --batches 1 64 --threads 2
 """
 from __future__ import annotations
 
@@ -48,10 +55,44 @@ def profile_batch(loaded, settings: Settings, batch: int, steps: int, context: i
     total = sum(e.self_cpu_time_total for e in prof.key_averages())
     ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:16]
     step_ms = statistics.median(times) * 1000
+    parts = step_parts(engine, batch)
+    parts["rest_ms"] = step_ms - sum(parts.values())
     return {"batch": batch, "step_ms": step_ms, "tokens_per_s": batch / step_ms * 1000, "numerics": engine.numerics,
+            "parts": parts,
             "ops": [{"name": e.key, "share": e.self_cpu_time_total / total,
                      "ms_per_step": e.self_cpu_time_total / 3000, "calls_per_step": e.count / 3}
                     for e in ops]}
+
+
+def _median_ms(call, repeats: int = 5) -> float:
+    call()  # warm: the first call allocates
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1000
+
+
+def step_parts(engine, batch: int) -> dict:
+    """Milliseconds of a `batch`-row step's parts, each timed alone on its own shapes: the layers'
+    products, the head, and the sampler (temperature 0.8, no cut: the C++ loop)."""
+    model = engine.runner.model
+    dtype = engine.loaded.dtype
+    head = model.head
+    layers = [layer for layer in model.linears() if layer is not head]
+    inputs = {}
+    for layer in layers + [head]:
+        width = layer.in_features
+        inputs.setdefault(width, torch.randn(batch, width).to(dtype))
+    products = sum(_median_ms(lambda l=layer: l(inputs[l.in_features])) for layer in layers)
+    head_ms = _median_ms(lambda: head(inputs[head.in_features]))
+    logits = torch.randn(batch, head.out_features)
+    kernel = engine.runner.kernel
+    sample_ms = _median_ms(lambda: kernel.sample_rows(logits, torch.full((batch,), 0.8),
+                                                      torch.rand(batch, dtype=torch.float64))) \
+        if kernel is not None and hasattr(kernel, "sample_rows") else 0.0
+    return {"products_ms": products, "head_ms": head_ms, "sampling_ms": sample_ms}
 
 
 def main(argv=None) -> None:
@@ -63,11 +104,12 @@ def main(argv=None) -> None:
     parser.add_argument("--int4-rows", type=int, default=Settings.int4_rows)
     parser.add_argument("--small-kernel", default=Settings.small_kernel)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--model", default="smollm2", help="the packaged SmolLM2, a GGUF file or a directory")
     parser.add_argument("--out", default="bench/results/profile")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load("smollm2", dtype=args.dtype, transformers_model=False,
+    loaded = load(args.model, dtype=args.dtype, transformers_model=False,
                   cache_dir=Settings.cache_dir)
     settings = Settings(int4_rows=args.int4_rows, small_kernel=args.small_kernel, kv_memory=512)
     results = []
@@ -76,6 +118,7 @@ def main(argv=None) -> None:
         results.append(r)
         print(f"\nbatch {batch}: {r['step_ms']:.1f} ms per step, {r['tokens_per_s']:.0f} tokens/s "
               f"({torch.get_num_threads()} threads, {r['numerics']})")
+        print("  " + ", ".join(f"{name.removesuffix('_ms')} {ms:.1f} ms" for name, ms in r["parts"].items()))
         print(f"  {'operator':<36} {'share':>6} {'ms/step':>8} {'calls':>6}")
         for op in r["ops"]:
             print(f"  {op['name']:<36} {op['share']:>6.1%} {op['ms_per_step']:>8.2f} {op['calls_per_step']:>6.0f}")

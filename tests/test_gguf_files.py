@@ -24,7 +24,8 @@ from tests.gguf_files import TYPES
 from tests.tiny_models import FAMILIES
 from worker.continuous.gguf_config import UnsupportedGGUF, _check_llama3, _llama3
 from worker.continuous.gguf_reader import read_gguf
-from worker.continuous.weights import Q41, Q80, fuse, quantize_q4_1
+from worker.continuous.kquants import KQuant
+from worker.continuous.weights import QUANTIZED, Q41, Q80, fuse, quantize_q4_1
 from worker.model_loader import load
 
 _ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
@@ -64,7 +65,7 @@ def _hf_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _dense(t) -> torch.Tensor:
-    return t.dequantize() if isinstance(t, (Q41, Q80)) else t
+    return t.dequantize() if isinstance(t, QUANTIZED) else t
 
 
 def _directory_tensors(directory: str) -> dict[str, torch.Tensor]:
@@ -184,7 +185,7 @@ def test_llama3_rope_scaling_is_recovered_from_rope_freqs(factor, context):
         _check_llama3("f.gguf", config, divisors[::-1].copy())
 
 
-def test_fuse_keeps_one_quantized_type_stacked_and_makes_mixed_types_dense():
+def test_fuse_keeps_one_quantized_type_stacked_runs_of_types_apart_and_a_float_part_dense():
     a, b = quantize_q4_1(torch.randn(32, 64)), quantize_q4_1(torch.randn(16, 64))
     q80 = Q80(q=torch.randint(-128, 128, (16, 64), dtype=torch.int8), d=torch.rand(16, 2))
     q80b = Q80(q=torch.randint(-128, 128, (32, 64), dtype=torch.int8), d=torch.rand(32, 2))
@@ -194,23 +195,31 @@ def test_fuse_keeps_one_quantized_type_stacked_and_makes_mixed_types_dense():
     # a Q8_0 file's q/k/v and gate/up stay Q8_0, for the integer kernel, not made dense
     assert isinstance(fuse([q80, q80b]), Q80) and torch.equal(fuse([q80, q80b]).dequantize(),
                                                              torch.cat([q80.dequantize(), q80b.dequantize()]))
-    mixed = fuse([a, q80, dense])  # a Q4_K_M file's q/k/v can be three types
+    # quantized types side by side: runs of one type each, each for its own kernel (linear.py stacks them)
+    runs = fuse([a, b, q80, q80b])
+    assert [type(r) for r in runs] == [Q41, Q80] and [r.shape[0] for r in runs] == [48, 48]
+    mixed = fuse([a, q80, dense])  # a float part: the whole stack dense
     assert torch.equal(mixed, torch.cat([a.dequantize(), q80.dequantize(), dense]))
 
 
 @pytest.mark.slow
-def test_a_requantized_smollm2_keeps_q8_0_and_q4_0_and_says_in_one_line_what_it_made_dense(smollm2_gguf, caplog):
+def test_a_requantized_smollm2_keeps_every_matrix_in_its_blocks(smollm2_gguf, caplog):
+    """Q8_0, the K-quant files' Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1, and Q4_0 (as Q4_1): nothing made dense."""
     _, tensors = read_gguf(smollm2_gguf("Q8_0"))
     assert all(isinstance(t, Q80) for t in tensors.values() if len(t.shape) == 2)
-    with caplog.at_level("WARNING", logger="worker.continuous.gguf_reader"):
-        _, tensors = read_gguf(smollm2_gguf("Q4_K_M"))
-    lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1, lines
-    # llama-quantize's Q4_K_M of SmolLM2: Q5_0 where rows of 576 are no multiple of 256
-    assert "SmolLM2-135M-Instruct.Q4_K_M.gguf: 16 Q4_K, 166 Q5_0, 14 Q6_K tensors made dense" in lines[0]
-    assert "MiB in memory for their" in lines[0]
-    assert sum(not isinstance(t, (Q41, Q80)) and t.ndim == 2 for t in tensors.values()) == 196
-    caplog.clear()
+    for qtype, kinds in (("Q4_K_M", {"Q4_K": 16, "Q5_0": 166, "Q6_K": 14}),
+                         ("Q5_K_M", {"Q5_K": 16, "Q5_1": 166, "Q6_K": 14})):
+        with caplog.at_level("WARNING", logger="worker.continuous.gguf_reader"):
+            _, tensors = read_gguf(smollm2_gguf(qtype))
+        assert not caplog.records, [r.getMessage() for r in caplog.records]
+        # llama-quantize's K-quant files of SmolLM2: Q5_0 / Q5_1 where rows of 576 are no multiple of 256
+        found = {}
+        for t in tensors.values():
+            if isinstance(t, KQuant):
+                found[t.name] = found.get(t.name, 0) + 1
+        assert found == kinds, (qtype, found)
+        assert all(isinstance(t, QUANTIZED) for t in tensors.values() if len(t.shape) == 2)
+        caplog.clear()
     with caplog.at_level("WARNING", logger="worker.continuous.gguf_reader"):
         _, tensors = read_gguf(smollm2_gguf("Q4_0"))  # Q4_0 is Q4_1 with m = -8 d: nothing made dense
     assert not caplog.records and all(isinstance(t, (Q41, Q80)) for t in tensors.values() if len(t.shape) == 2)

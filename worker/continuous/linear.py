@@ -88,7 +88,7 @@ class Linear:
                     self.weight = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_ROWS_HINT)
                 except RuntimeError:  # oneDNN's bf16 packing needs AVX-512 (or AVX-NE-CONVERT)
                     self.onednn = False
-        self.out_features = weight.shape[0]
+        self.out_features, self.in_features = weight.shape
         self.q4_1 = isinstance(weight, Q41)
         self.code = weight.code if isinstance(weight, KQuant) else -1  # csrc/kquants.h's type code
         self.kernel = kernel
@@ -113,6 +113,7 @@ class Linear:
         self.bias = None if bias is None else bias.to(device=device, dtype=dtype)
         self.weight = None
         self.out_features = sum(part.out_features for part in self.parts)
+        self.in_features = self.parts[0].in_features
         self.kernel = kernel
 
     @property

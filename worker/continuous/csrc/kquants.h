@@ -118,6 +118,8 @@ static inline Floats sbytes16(const uint8_t* p) {
   return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
 }
 static inline void store(Floats a, float* p) { _mm512_storeu_ps(p, a.v); }
+static inline Floats loadf(const float* p) { return {_mm512_load_ps(p)}; }
+static inline void store_ints(Ints a, uint8_t* p) { _mm512_store_si512(p, a.v); }
 #else
 constexpr int ROWS = 4;  // AVX2 has 16 registers, and each of these takes two
 struct Ints { __m256i a, b; };
@@ -160,6 +162,11 @@ static inline Floats sbytes16(const uint8_t* p) {
   return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)))};
 }
 static inline void store(Floats x, float* p) { _mm256_storeu_ps(p, x.a); _mm256_storeu_ps(p + 8, x.b); }
+static inline Floats loadf(const float* p) { return {_mm256_load_ps(p), _mm256_load_ps(p + 8)}; }
+static inline void store_ints(Ints x, uint8_t* p) {
+  _mm256_store_si256(reinterpret_cast<__m256i*>(p), x.a);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(p + 32), x.b);
+}
 #endif
 
 // The step's rows of x rounded to 8 bits per group of 32, with what the kernel needs per group.
@@ -220,36 +227,48 @@ static inline Ints high_bits(const uint8_t* h) {
   else return shift<4 - 2 * (V % 4)>(load(h + 64 * (V / 4))) & bytes(0x30);
 }
 
-// Block j of a group: its two vectors' weights (lo: weights 4j.., hi: 16 + 4j..) against rows'
-// bytes, into one integer sum per row (two for Q6_K: a scale per half group).
-template <int T, int R, int J>
-static inline void block(const uint8_t* w, const int8_t* x, int64_t K, Ints* lo_sum, Ints* hi_sum) {
+constexpr int64_t AHEAD = 8;  // groups ahead whose weights are prefetched (~2-3 KB)
+
+// One group of a panel made ready for the products: its 8 vectors of weights as bytes u (vector
+// 2j: weights 4j.., 2j + 1: 16 + 4j.., 4 bytes a feature), its scales as floats.
+struct Group {
+  alignas(64) uint8_t u[8][64];
+  alignas(64) float scale[LANES], scale2[LANES], minimum[LANES];
+};
+
+template <int T, int J>
+static inline void unpack_block(const uint8_t* w, Group& out) {
   const Ints raw = load(w + 64 * J);
   Ints lo = raw & bytes(0x0F), hi = shift<-4>(raw) & bytes(0x0F);
   if constexpr (Format<T>::bits > 4) {
     lo = lo | high_bits<T, 2 * J>(w + 256);
     hi = hi | high_bits<T, 2 * J + 1>(w + 256);
   }
-  for (int r = 0; r < R; ++r) {
-    lo_sum[r] = dot4(lo_sum[r], lo, four(x + r * K + 4 * J));
-    Ints& to = Format<T>::halves ? hi_sum[r] : lo_sum[r];
-    to = dot4(to, hi, four(x + r * K + 16 + 4 * J));
-  }
+  store_ints(lo, out.u[2 * J]);
+  store_ints(hi, out.u[2 * J + 1]);
 }
 
-// Rows r0..r0 + R of x against one panel (w: its bytes), into out [R, 16] floats.
-template <int T, int R>
-static void panel_rows(const Activations& a, int64_t r0, const uint8_t* w, float* out) {
+// The panel's groups g0..g1 (w: the panel's bytes) into out[0..g1 - g0]. The header of a
+// superblock is read where its first group is.
+template <int T>
+static void unpack(const uint8_t* w, int64_t g0, int64_t g1, Group* out) {
   using F = Format<T>;
-  Floats acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = zerof();
+  w += g0 / F::super * F::header + g0 * F::group + (g0 % F::super ? F::header : 0);
   Floats d = zerof(), dmin = zerof();
-  for (int64_t g = 0; g < a.G; ++g) {
+  if (F::header && g0 % F::super) {  // a run that starts inside a superblock: its header first
+    const uint8_t* h = w - (g0 % F::super) * F::group - F::header;
+    d = halves16(h);
+    if (F::minimum) dmin = halves16(h + 32);
+  }
+  for (int64_t g = g0; g < g1; ++g, ++out) {
     if (F::header && g % F::super == 0) {
       d = halves16(w);
       if (F::minimum) dmin = halves16(w + 32);
       w += F::header;
     }
+    // The weights stream through once (a few rows a step): ask for those a few groups ahead.
+    for (int64_t line = 0; line < F::group; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(w + AHEAD * F::group + line), _MM_HINT_T0);
     const uint8_t* sc = w + 256 + F::high;
     Floats scale, scale2 = zerof(), minimum = zerof();
     if constexpr (T == Q4_K || T == Q5_K) {
@@ -262,6 +281,23 @@ static void panel_rows(const Activations& a, int64_t r0, const uint8_t* w, float
       scale = halves16(sc);
       if (T == Q5_1) minimum = halves16(sc + 32);
     }
+    store(scale, out->scale);
+    store(scale2, out->scale2);
+    store(minimum, out->minimum);
+    unpack_block<T, 0>(w, *out);
+    unpack_block<T, 1>(w, *out);
+    unpack_block<T, 2>(w, *out);
+    unpack_block<T, 3>(w, *out);
+    w += F::group;
+  }
+}
+
+// Rows r0..r0 + R of x against groups g0..g1 of a panel (made ready: `groups`), added to acc.
+template <int T, int R>
+static inline void rows_groups(const Activations& a, int64_t r0, int64_t g0, int64_t g1, const Group* groups,
+                               Floats* acc) {
+  using F = Format<T>;
+  for (int64_t g = g0; g < g1; ++g, ++groups) {
     const int64_t at = r0 * a.G + g;
     Ints lo_sum[R], hi_sum[R];
     for (int r = 0; r < R; ++r) {
@@ -270,24 +306,49 @@ static void panel_rows(const Activations& a, int64_t r0, const uint8_t* w, float
       hi_sum[r] = splat(F::halves ? -F::zero * s[1] : 0);
     }
     const int8_t* x = a.q.data() + r0 * a.K + g * GROUP;
-    block<T, R, 0>(w, x, a.K, lo_sum, hi_sum);
-    block<T, R, 1>(w, x, a.K, lo_sum, hi_sum);
-    block<T, R, 2>(w, x, a.K, lo_sum, hi_sum);
-    block<T, R, 3>(w, x, a.K, lo_sum, hi_sum);
+    for (int j = 0; j < 4; ++j) {
+      const Ints lo = load(groups->u[2 * j]), hi = load(groups->u[2 * j + 1]);
+      for (int r = 0; r < R; ++r) {
+        lo_sum[r] = dot4(lo_sum[r], lo, four(x + r * a.K + 4 * j));
+        Ints& to = F::halves ? hi_sum[r] : lo_sum[r];
+        to = dot4(to, hi, four(x + r * a.K + 16 + 4 * j));
+      }
+    }
+    const Floats scale = loadf(groups->scale), scale2 = loadf(groups->scale2), minimum = loadf(groups->minimum);
     for (int r = 0; r < R; ++r) {
       const Floats dx = splatf(a.dx[at + r * a.G]);
       acc[r] = fma(to_floats(lo_sum[r]), mul(scale, dx), acc[r]);
       if (F::halves) acc[r] = fma(to_floats(hi_sum[r]), mul(scale2, dx), acc[r]);
       if (F::minimum) acc[r] = fma(minimum, splatf(-a.dsum[at + r * a.G]), acc[r]);
     }
-    w += F::group;
+  }
+}
+
+// Rows r0..r0 + R of x against one panel, into out [R, 16] floats. `ready`: the panel's groups
+// already unpacked (a step of many rows unpacks each panel once for all its row tiles), or null:
+// unpacked here a few groups at a time, in L1 (a step of a few rows: the weights stream by once).
+// Either way each row meets the same bytes and scales in the same order: the same bits.
+constexpr int64_t RUN = 4;  // groups unpacked at a time when not ready
+template <int T, int R>
+static void panel_rows(const Activations& a, int64_t r0, const uint8_t* w, const Group* ready, float* out) {
+  Floats acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = zerof();
+  if (ready) {
+    rows_groups<T, R>(a, r0, 0, a.G, ready, acc);
+  } else {
+    Group run[RUN];
+    for (int64_t g0 = 0; g0 < a.G; g0 += RUN) {
+      const int64_t g1 = std::min(a.G, g0 + RUN);
+      unpack<T>(w, g0, g1, run);
+      rows_groups<T, R>(a, r0, g0, g1, run, acc);
+    }
   }
   for (int r = 0; r < R; ++r) store(acc[r], out + r * LANES);
 }
 
 template <int T, size_t... R>
 static constexpr auto row_tiles(std::index_sequence<R...>) {
-  return std::array<void (*)(const Activations&, int64_t, const uint8_t*, float*), sizeof...(R)>{
+  return std::array<void (*)(const Activations&, int64_t, const uint8_t*, const Group*, float*), sizeof...(R)>{
       panel_rows<T, static_cast<int>(R) + 1>...};
 }
 
@@ -303,13 +364,21 @@ static void linear(const X* x, int64_t rows, int64_t K, const uint8_t* w, X* y, 
   const int64_t grain = std::max<int64_t>(1, MIN_WORK / (LANES * K * rows));
   at::parallel_for(0, N / LANES, grain, [&](int64_t begin, int64_t end) {
     alignas(64) float out[ROWS * LANES];
-    for (int64_t p = begin; p < end; ++p)
+    thread_local aligned_vector<Group> ready;
+    for (int64_t p = begin; p < end; ++p) {
+      const uint8_t* panel = w + p * panel_bytes;
+      const bool many = rows > ROWS;
+      if (many) {
+        ready.resize(a.G);
+        unpack<T>(panel, 0, a.G, ready.data());
+      }
       for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
         const int64_t n = std::min<int64_t>(ROWS, rows - r0);
-        by_rows[n - 1](a, r0, w + p * panel_bytes, out);
+        by_rows[n - 1](a, r0, panel, many ? ready.data() : nullptr, out);
         for (int64_t r = 0; r < n; ++r)  // bf16: rounded to nearest, ties to even (c10's rounding)
           for (int64_t f = 0; f < LANES; ++f) y[(r0 + r) * N + p * LANES + f] = static_cast<X>(out[r * LANES + f]);
       }
+    }
   });
 }
 
