@@ -6,7 +6,7 @@ survivor's metrics show that it did not decode the written part again.
 Three pools: tiny-Llama workers in float32; (slow) two default workers, as a new user starts them:
 the packaged SmolLM2 GGUF with the default dtype and kernels; and (slow) two workers on that file
 requantized to Q4_K_M by llama.cpp's quantizer (the common download: its Q4_K, Q5_0 and Q6_K tensors
-made dense at load), started with MODEL=<the file> and serving it by the file's stem.
+on the K-quant kernel), started with MODEL=<the file> and serving it by the file's stem.
 """
 from __future__ import annotations
 

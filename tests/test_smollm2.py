@@ -1,5 +1,5 @@
 """The real thing: the packaged SmolLM2-135M-Instruct loads offline and writes an English story;
-so does that file requantized by llama.cpp's quantizer to what users download (Q4_K_M, Q8_0, Q4_0),
+so does that file requantized by llama.cpp's quantizer to what users download (Q4_K_M, Q5_K_M, Q8_0, Q4_0),
 each served by a worker started with MODEL=<the file>."""
 from __future__ import annotations
 

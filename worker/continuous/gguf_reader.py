@@ -109,8 +109,8 @@ def read_gguf(path: str):
         tensors[name] = tensor
     if dense:
         types = ", ".join(f"{count} {kind}" for kind, count in sorted(dense.items()))
-        log.warning("%s: %s tensors made dense float32 at load (the engine has no kernels for these types "
-                    "yet): %.1f MiB in memory for their %.1f MiB in the file", os.path.basename(path), types,
+        log.warning("%s: %s tensors made dense float32 at load (the engine has no kernels for these types): "
+                    "%.1f MiB in memory for their %.1f MiB in the file", os.path.basename(path), types,
                     dense_bytes / 2**20, file_bytes / 2**20)
     return config, tensors
 
