@@ -12,7 +12,7 @@ quantization both engines share:
   "Mean KLD" and both perplexities are parsed from what it prints;
 - Storyteller's: our continuous engine, in process, on the same tokens (read back from
   llama-perplexity's base file, so both see the same text, chunked the same way: chunks of 512,
-  the first token BOS where the file says to add one, the second half of each chunk scored),
+  the first token BOS where llama.cpp adds one, the second half of each chunk scored),
   once with the worker's default settings on the quantized file (bf16 here, whatever kernels it
   picks) and once as its float reference: the same file in float32 with the dense product
   (--small-kernel dense), which dequantizes every matrix. KL(reference || default) over the full
@@ -105,12 +105,15 @@ def base_tokens(base: Path) -> tuple[int, list[list[int]]]:
     return int(n_ctx), tokens.reshape(int(n_chunk), int(n_ctx)).tolist()
 
 
-def adds_bos(path: Path) -> tuple[bool, int | None]:
-    """Whether llama.cpp puts BOS first in each chunk for this file (its tokenizer.ggml.add_bos_token;
-    absent, llama.cpp adds none to a GPT-2-style vocabulary, the only kind these files have) and BOS's id."""
+def with_bos(path: Path, chunks: list[list[int]]) -> tuple[list[list[int]], bool]:
+    """The chunks as llama-perplexity runs them: where its tokenizer put BOS before the text (the
+    file's own rule, which llama.cpp decides from its metadata and pre-tokenizer), every chunk's
+    first token is replaced by BOS; and whether it did."""
     from worker.continuous.gguf_reader import _read_header
-    metadata = _read_header(str(path))[1]
-    return bool(metadata.get("tokenizer.ggml.add_bos_token", False)), metadata.get("tokenizer.ggml.bos_token_id")
+    bos = _read_header(str(path))[1].get("tokenizer.ggml.bos_token_id")
+    if bos is None or chunks[0][0] != bos:
+        return chunks, False
+    return [[bos, *chunk[1:]] for chunk in chunks], True
 
 
 # --- Storyteller ----------------------------------------------------------------------------------
@@ -218,9 +221,7 @@ def measure(name: str, text: Path, chunks: int) -> dict:
         print(f"llama.cpp: KLD {ours_llama['kld']:.6f}, PPL {ours_llama['ppl_ref']:.4f} ref / "
               f"{ours_llama['ppl_quant']:.4f} quantized", flush=True)
         n_ctx, tokens = base_tokens(base)
-    bos, bos_id = adds_bos(path)
-    if bos:  # as llama-perplexity does: each chunk's first token replaced by BOS
-        tokens = [[bos_id, *chunk[1:]] for chunk in tokens]
+    tokens, bos = with_bos(path, tokens)
     ours = storyteller_kld(path, tokens)
     print(f"storyteller: KLD {ours['kld']:.6f}, PPL {ours['ppl_ref']:.4f} ref / {ours['ppl_quant']:.4f} "
           f"default ({ours['numerics']})", flush=True)

@@ -49,10 +49,9 @@ def _binary(name: str) -> Path:
 def build() -> Path:
     """llama-server and llama-perplexity built native, once per machine; the build's directory.
 
-    The sources are unpacked inside the build's own directory (not gguf_files' portable source
-    tree) so that a native and a portable build never share a CMake cache. Built under a lock
-    file's absence check only: a second concurrent build just rebuilds the same targets (cmake is
-    incremental), it never sees half a binary because "complete" is written last."""
+    The sources are unpacked inside the build's own directory (not tests/gguf_files.py's portable
+    source tree), so that a native and a portable build never share a CMake cache. "complete" is
+    written last: a build cut short is taken up again by the next call (cmake is incremental)."""
     root = build_dir()
     if (root / "complete").is_file() and all(os.access(_binary(t), os.X_OK) for t in TARGETS):
         return root
@@ -175,6 +174,7 @@ def model_file(shape: str) -> Path:
     # The F16 file and the directory are only steps on the way: ~7 GB for the 1.7B shape.
     f16.unlink(missing_ok=True)
     shutil.rmtree(directory, ignore_errors=True)
+    (root / "saved").unlink(missing_ok=True)
     return out
 
 
