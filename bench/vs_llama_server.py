@@ -18,6 +18,7 @@ Writes <out>.json and <out>.png (default docs/results/vs-llama-server-<file stem
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -102,17 +103,28 @@ def worker_rss_mb(running) -> int | None:
     return next((r for r in reported if r is not None), None)
 
 
+def warm_up(url: str, model: str, players: int, tokens: int) -> None:
+    """Requests until both servers run at speed: a fresh server's first passes page its mmapped
+    file in and allocate its buffers (llama-server's first request measured 100x slower than its
+    third), and a crowd's first wide step its own. Alone first, then the largest crowd, once each."""
+    run_crowd(url, model, 1, 3, tokens, progress=False)
+    run_crowd(url, model, players, 1, 8, progress=False)
+
+
 def crowds(label: str, url: str, model: str, args, rss) -> dict:
     """The crowds of args.players against one server, a row each, printed as they finish; `rss()`
     the server's resident memory, read after each crowd."""
     run = {"label": label, "url": url, "model": model, "tokens": args.tokens, "requests": args.requests,
            "ignore_eos": True, "rows": []}
-    run_crowd(url, model, 1, 1, 8, progress=False)  # warm-up: the first pass is slower
+    warm_up(url, model, max(args.players), args.tokens)
     print(f"# {label}: {args.requests} requests x {args.tokens} tokens per player")
     print(format_row(None) + f"  {'RSS MiB':>9}", flush=True)
     for players in args.players:
         row = run_crowd(url, model, players, args.requests, args.tokens)
         row["rss_mb"] = rss()
+        # The machine's load as the crowd ends: anything else running on these 2 cores (a build)
+        # slows torch's thread pool far more than llama.cpp's, and this shows when it did.
+        row["load_1min"] = round(os.getloadavg()[0], 2)
         run["rows"].append(row)
         print(format_row(row) + f"  {cell(row['rss_mb'], 'd'):>9}", flush=True)
     return run
