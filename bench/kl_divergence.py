@@ -24,6 +24,7 @@ JSON, as the README changes over time).
     python -m bench.kl_divergence                                   # SmolLM2-135M Q4_K_M and Q4_1
     python -m bench.kl_divergence --files smollm2-1.7b qwen2.5-1.5b
     python -m bench.kl_divergence --files my.Q4_K_M.gguf --text docs/serving.md
+    python -m bench.kl_divergence --files smollm2-135m-q4_1 --variants float32:auto bfloat16:dense
 
 Prints a table and merges its rows into docs/results/kl-divergence.json (a row per file).
 """
@@ -204,16 +205,28 @@ def mean_kld(reference: list[torch.Tensor], other: list[torch.Tensor]) -> float:
     return total / count
 
 
-def storyteller_kld(path: Path, chunks: list[list[int]]) -> dict:
+def storyteller_kld(path: Path, chunks: list[list[int]], variants: list[str] = ()) -> dict:
+    """Our KL from our float reference with the worker's defaults, and with each of `variants`
+    ("DTYPE:KERNEL", e.g. float32:auto, bfloat16:dense): which of the dtype and the kernel makes
+    the difference."""
     reference, ref_numerics = storyteller_log_probs(path, chunks, "float32", "dense")
     default, numerics = storyteller_log_probs(path, chunks, "auto", "auto")
-    return {"kld": mean_kld(reference, default), "ppl_ref": perplexity(reference, chunks),
-            "ppl_quant": perplexity(default, chunks), "numerics": numerics, "ref_numerics": ref_numerics}
+    result = {"kld": mean_kld(reference, default), "ppl_ref": perplexity(reference, chunks),
+              "ppl_quant": perplexity(default, chunks), "numerics": numerics, "ref_numerics": ref_numerics}
+    del default
+    for variant in variants:
+        dtype, _, kernel = variant.partition(":")
+        log_probs, numerics = storyteller_log_probs(path, chunks, dtype, kernel or "auto")
+        result.setdefault("variants", {})[variant] = {
+            "kld": mean_kld(reference, log_probs), "ppl": perplexity(log_probs, chunks), "numerics": numerics}
+        print(f"storyteller {variant}: KLD {result['variants'][variant]['kld']:.6f}, "
+              f"PPL {result['variants'][variant]['ppl']:.4f} ({numerics})", flush=True)
+    return result
 
 
 # --- the table -----------------------------------------------------------------------------------
 
-def measure(name: str, text: Path, chunks: int) -> dict:
+def measure(name: str, text: Path, chunks: int, variants: list[str] = ()) -> dict:
     path = resolve(name)
     reference = llama_cpp.float_reference(path)
     print(f"== {path.name} (float reference: {reference.name})", flush=True)
@@ -224,7 +237,7 @@ def measure(name: str, text: Path, chunks: int) -> dict:
               f"{ours_llama['ppl_quant']:.4f} quantized", flush=True)
         n_ctx, tokens = base_tokens(base)
     tokens, bos = with_bos(path, tokens)
-    ours = storyteller_kld(path, tokens)
+    ours = storyteller_kld(path, tokens, variants)
     print(f"storyteller: KLD {ours['kld']:.6f}, PPL {ours['ppl_ref']:.4f} ref / {ours['ppl_quant']:.4f} "
           f"default ({ours['numerics']})", flush=True)
     return {"file": path.name, "reference": reference.name, "chunks": len(tokens), "n_ctx": n_ctx,
@@ -259,6 +272,9 @@ def main(argv=None) -> int:
                     help=f"GGUF files, or names: {', '.join(NAMES)} (a shape: its Q4_K_M file)")
     ap.add_argument("--text", type=Path, default=TEXT, help="the text (default: the repository's README.md)")
     ap.add_argument("--chunks", type=int, default=0, help=f"at most this many chunks of {CONTEXT} (0: all)")
+    ap.add_argument("--variants", nargs="*", default=[], metavar="DTYPE:KERNEL",
+                    help="more Storyteller settings to measure against its float reference "
+                         "(e.g. float32:auto bfloat16:dense; KERNEL is --small-kernel's)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
     raw = args.text.read_bytes()
@@ -266,7 +282,7 @@ def main(argv=None) -> int:
             if args.text.resolve().is_relative_to(Path.cwd().resolve()) else str(args.text),
             "sha256": hashlib.sha256(raw).hexdigest(), "bytes": len(raw)}
     llama_cpp.BENCH_FILES.mkdir(parents=True, exist_ok=True)
-    rows = [measure(name, args.text, args.chunks) for name in args.files]
+    rows = [measure(name, args.text, args.chunks, args.variants) for name in args.files]
     print_table(rows)
     write_json(args.out, merged(args.out, rows, text))
     print(f"wrote {args.out}")
