@@ -122,8 +122,8 @@ def crowds(label: str, url: str, model: str, args, rss) -> dict:
     for players in args.players:
         row = run_crowd(url, model, players, args.requests, args.tokens)
         row["rss_mb"] = rss()
-        # The machine's load as the crowd ends: anything else running on these 2 cores (a build)
-        # slows torch's thread pool far more than llama.cpp's, and this shows when it did.
+        # The machine's load as the crowd ends: anything else on these 2 cores (a build) slows
+        # both servers' thread pools 10x and more (measured here), and this shows when it ran.
         row["load_1min"] = round(os.getloadavg()[0], 2)
         run["rows"].append(row)
         print(format_row(row) + f"  {cell(row['rss_mb'], 'd'):>9}", flush=True)
