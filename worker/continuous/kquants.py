@@ -39,6 +39,15 @@ class KQuant:
         """float32 [N, K]: gguf's reference dequantization (the float reference of this tensor)."""
         return torch.from_numpy(gguf.quants.dequantize(np.ascontiguousarray(self.raw), self.ggml_type)).view(self.shape)
 
+    def owned(self) -> KQuant:
+        """The same tensor in memory of its own (not the file's mapping, which can then go)."""
+        return KQuant(np.array(self.raw), self.ggml_type, self.shape)
+
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32 [len(ids), K]: rows `ids` as `dequantize` gives them (an embedding lookup)."""
+        raw = np.ascontiguousarray(self.raw[ids.cpu().numpy()])
+        return torch.from_numpy(gguf.quants.dequantize(raw, self.ggml_type)).view(len(ids), self.shape[1])
+
     @staticmethod
     def cat(parts: list[KQuant]) -> KQuant:
         """Rows stacked (a fused QKV or gate-up projection): one type only."""

@@ -30,6 +30,7 @@ from worker.continuous import attention
 from worker.continuous.attention import KVCache, StepLayout
 from worker.continuous.config import EngineConfig
 from worker.continuous.linear import EVERY_STEP, Linear
+from worker.continuous.kquants import KQuant
 from worker.continuous.weights import dense_float, fuse, quantize_q4_1
 
 # transformers' activation names, as the C++ decoder calls the same function (both GELUs are the tanh form)
@@ -115,6 +116,7 @@ class Decoder:
         """`config`: the model's (transformers'); `products`: how the layers' products run (int4_rows,
         int4_head, small_kernel); `kernel`: the C++ kernels, or None."""
         int4_rows, int4_head, small = products.int4_rows, products.int4_head, products.small_kernel
+        self.dtype = dtype
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
@@ -134,7 +136,12 @@ class Decoder:
             return Linear(weight, bias, dtype, device, int4_rows, kernel, small=small)
 
         embed = tensors["model.embed_tokens.weight"]  # quantized in a GGUF file (SmolLM2's: Q8_0)
-        self.embed = (embed.dequantize() if hasattr(embed, "dequantize") else embed).to(device=device, dtype=dtype)
+        # A K-quant table (a Q4_K_M file's Q6_K: 82 MB for SmolLM2-1.7B's, 192 MB as bf16) stays in
+        # the file's blocks, a step's rows dequantized as it needs them (the same values as the
+        # whole table's); the others are a dense table, looked up by index.
+        self.embed_rows = embed.owned() if isinstance(embed, KQuant) and device.type == "cpu" else None
+        self.embed = None if self.embed_rows is not None else \
+            (embed.dequantize() if hasattr(embed, "dequantize") else embed).to(device=device, dtype=dtype)
         scale = self.embedding_scale(config)  # rounded to the model's dtype first, as transformers does
         self.embed_scale = None if scale is None else torch.tensor(scale, dtype=dtype, device=device)
         self.blocks = []
@@ -213,7 +220,10 @@ class Decoder:
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 step: StepLayout) -> torch.Tensor:
-        x = self.embed.index_select(0, ids)  # not F.embedding: it measured slower (docs/serving.md)
+        if self.embed_rows is not None:
+            x = self.embed_rows.dequantize_rows(ids).to(device=ids.device, dtype=self.dtype)
+        else:
+            x = self.embed.index_select(0, ids)  # not F.embedding: it measured slower (docs/serving.md)
         if self.embed_scale is not None:
             x = x * self.embed_scale
         if not step.chunks and step.kernel is not None and self._fused(step.kernel) is not None:
