@@ -7,8 +7,8 @@ the operators that took the most time; writes JSON.
     python -m bench.profile_step --batches 1 16 64 --threads 2 --out docs/results/profile
 
 Where the whole step is one C++ call (the decoder), the operator table says little; so each step
-is also split by timing its parts alone on the same shapes: the layers' products (every Linear of
-the model on `batch` rows), the head, the sampler (a row of the vocabulary per request), and the
+is also split by timing its parts alone on the same shapes: the layers' products (a pass over
+every Linear of the model on `batch` rows), the head, the sampler (a row of the vocabulary per request), and the
 rest (attention, norms, rotary, the engine's Python) as what the step takes beyond them.
 
     python -m bench.profile_step --model path/to/model.Q4_K_M.gguf --batches 1 64 --threads 2
@@ -85,7 +85,9 @@ def step_parts(engine, batch: int) -> dict:
     for layer in layers + [head]:
         width = layer.in_features
         inputs.setdefault(width, torch.randn(batch, width).to(dtype))
-    products = sum(_median_ms(lambda l=layer: l(inputs[l.in_features])) for layer in layers)
+    # One pass over every layer in order, as a step makes it: a layer timed on its own again and
+    # again would find its weights in the L3 cache, which the whole model's do not fit.
+    products = _median_ms(lambda: [layer(inputs[layer.in_features]) for layer in layers])
     head_ms = _median_ms(lambda: head(inputs[head.in_features]))
     logits = torch.randn(batch, head.out_features)
     kernel = engine.runner.kernel
