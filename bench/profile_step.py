@@ -11,7 +11,7 @@ is also split by timing its parts alone on the same shapes: the layers' products
 every Linear of the model on `batch` rows), the head, the sampler (a row of the vocabulary per request), and the
 rest (attention, norms, rotary, the engine's Python) as what the step takes beyond them.
 
-    python -m bench.profile_step --model path/to/model.Q4_K_M.gguf --batches 1 64 --threads 2
+    python -m bench.profile_step --model path/to/model.Q4_K_M.gguf --batches 1 64 --threads 2 --out docs/results/profile-big
 """
 from __future__ import annotations
 
