@@ -44,18 +44,26 @@ def filled_engine(loaded, settings: Settings, batch: int, context: int):
 
 def profile_batch(loaded, settings: Settings, batch: int, steps: int, context: int) -> dict:
     engine = filled_engine(loaded, settings, batch, context)
-    times = []
+    parts = part_calls(engine, batch)
+    for call in parts.values():
+        call()  # warm: the first call allocates
+    # Each step, then each part once, in turn: a slow minute of a shared machine slows them alike.
+    times, part_times = [], {name: [] for name in parts}
     for _ in range(steps):
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
+        for name, call in parts.items():
+            start = time.perf_counter()
+            call()
+            part_times[name].append(time.perf_counter() - start)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(3):
             engine.step()
     total = sum(e.self_cpu_time_total for e in prof.key_averages())
     ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:16]
     step_ms = statistics.median(times) * 1000
-    parts = step_parts(engine, batch)
+    parts = {f"{name}_ms": statistics.median(t) * 1000 for name, t in part_times.items()}
     parts["rest_ms"] = step_ms - sum(parts.values())
     return {"batch": batch, "step_ms": step_ms, "tokens_per_s": batch / step_ms * 1000, "numerics": engine.numerics,
             "parts": parts,
@@ -64,37 +72,26 @@ def profile_batch(loaded, settings: Settings, batch: int, steps: int, context: i
                     for e in ops]}
 
 
-def _median_ms(call, repeats: int = 5) -> float:
-    call()  # warm: the first call allocates
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1000
-
-
-def step_parts(engine, batch: int) -> dict:
-    """Milliseconds of a `batch`-row step's parts, each timed alone on its own shapes: the layers'
-    products, the head, and the sampler (temperature 0.8, no cut: the C++ loop)."""
+def part_calls(engine, batch: int) -> dict:
+    """A `batch`-row step's parts, each a call that does it alone on its own shapes: the layers'
+    products (one pass over every layer in order, as a step makes it: a layer timed on its own again
+    and again would find its weights in the L3 cache, which the whole model's do not fit), the head,
+    and the sampler (temperature 0.8, no cut: the C++ loop)."""
     model = engine.runner.model
     dtype = engine.loaded.dtype
     head = model.head
     layers = [layer for layer in model.linears() if layer is not head]
     inputs = {}
     for layer in layers + [head]:
-        width = layer.in_features
-        inputs.setdefault(width, torch.randn(batch, width).to(dtype))
-    # One pass over every layer in order, as a step makes it: a layer timed on its own again and
-    # again would find its weights in the L3 cache, which the whole model's do not fit.
-    products = _median_ms(lambda: [layer(inputs[layer.in_features]) for layer in layers])
-    head_ms = _median_ms(lambda: head(inputs[head.in_features]))
-    logits = torch.randn(batch, head.out_features)
+        inputs.setdefault(layer.in_features, torch.randn(batch, layer.in_features).to(dtype))
+    calls = {"products": lambda: [layer(inputs[layer.in_features]) for layer in layers],
+             "head": lambda: head(inputs[head.in_features])}
     kernel = engine.runner.kernel
-    sample_ms = _median_ms(lambda: kernel.sample_rows(logits, torch.full((batch,), 0.8),
-                                                      torch.rand(batch, dtype=torch.float64))) \
-        if kernel is not None and hasattr(kernel, "sample_rows") else 0.0
-    return {"products_ms": products, "head_ms": head_ms, "sampling_ms": sample_ms}
+    if kernel is not None and hasattr(kernel, "sample_rows"):
+        logits = torch.randn(batch, head.out_features)
+        calls["sampling"] = lambda: kernel.sample_rows(logits, torch.full((batch,), 0.8),
+                                                       torch.rand(batch, dtype=torch.float64))
+    return calls
 
 
 def main(argv=None) -> None:
