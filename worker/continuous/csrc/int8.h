@@ -7,7 +7,8 @@
 // 64 bytes in one instruction; AVX2 multiplies bytes into pairs of int16 (`vpmaddubsw`) and sums
 // those into int32 (`vpmaddwd`). A group's integer sum is then scaled by d * dx, in float:
 //   y[r, n] = sum_g d[n, g] dx[r, g] (qw[n, g, :] . qx[r, g, :])  +  sum_g m[n, g] s[r, g]
-// Q4_1 (weights 0..15, unsigned): s[r, g] = sum of x's group (exact, in float).
+// Q4_1 (weights 0..15, unsigned): s[r, g] = dx sum(qx), the sum of the group's rounded x (as
+// llama.cpp's Q8_1 and panels.h: the product is then exactly the weights' against the rounded x).
 // Q8_0 (weights -128..127, signed; no m): both instructions want one unsigned side, so the
 // activations are stored as qx + 128. VNNI starts each int32 lane at -128 times the sum of its four
 // weights; AVX2 takes qx back and moves the weights' signs onto it (|w| * sign(w) qx: no int16 pair
@@ -86,17 +87,18 @@ struct Activations {
     if (Nibbles) s.assign(rows * chunks * 16, 0.f);
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t g = 0; g < G; ++g) {
-        float xg[GROUP], amax = 0.f, sum = 0.f;
+        float xg[GROUP], amax = 0.f;
+        int32_t sum = 0;  // of the rounded values
         for (int64_t i = 0; i < GROUP; ++i) {
           xg[i] = static_cast<float>(x[r * K + g * GROUP + i]);
           amax = std::max(amax, std::fabs(xg[i]));
-          sum += xg[i];
         }
         const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
         const int64_t c = g / L::groups, in_chunk = g % L::groups;
         int8_t* q = qx.data() + (c * rows + r) * L::x_bytes;
         for (int64_t i = 0; i < GROUP; ++i) {
           const int v = static_cast<int>(std::nearbyint(xg[i] * inv));
+          sum += v;
           if (Nibbles)  // byte j of a group's 16 holds weights j (low nibble) and 16 + j (high)
             q[(i < 16 ? 0 : 64) + in_chunk * 16 + (i % 16)] = static_cast<int8_t>(v);
           else  // stored as qx + 128, read as unsigned
@@ -105,7 +107,7 @@ struct Activations {
         const int64_t lane = (c * rows + r) * 16 + in_chunk * L::lanes;
         for (int64_t j = 0; j < L::lanes; ++j) {
           dx[lane + j] = d;
-          if (Nibbles) s[lane + j] = sum / L::lanes;  // summed back over the group's lanes (exact: /4)
+          if (Nibbles) s[lane + j] = d * static_cast<float>(sum) / L::lanes;  // summed back over the group's lanes (exact: /4)
         }
       }
     }
