@@ -11,6 +11,7 @@ docs/serving.md, "Measurements behind the engine's choices".
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import groupby
 from typing import Union
 
 import gguf
@@ -173,19 +174,10 @@ def fuse(parts: list) -> Union[torch.Tensor, Quantized, list]:
     values) stay a list of runs of one type each, every run on its own type's kernel; a float
     part among quantized ones makes the whole stack dense."""
     if all(isinstance(p, QUANTIZED) for p in parts):
-        runs = []
-        for p in parts:
-            if runs and _same_kind(runs[-1][-1], p):
-                runs[-1].append(p)
-            else:
-                runs.append([p])
+        runs = [list(run) for _, run in groupby(parts, key=lambda p: (type(p), getattr(p, "ggml_type", None)))]
         stacked = [type(run[0]).cat(run) if len(run) > 1 else run[0] for run in runs]
         return stacked[0] if len(stacked) == 1 else stacked
     return torch.cat([dense_float(p) for p in parts])
-
-
-def _same_kind(a, b) -> bool:
-    return type(a) is type(b) and (not isinstance(a, KQuant) or a.ggml_type == b.ggml_type)
 
 
 def dense_float(weight: Union[torch.Tensor, Quantized]) -> torch.Tensor:
