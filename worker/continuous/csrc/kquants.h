@@ -23,8 +23,8 @@
 // largest activation.
 //
 // Why one row's result cannot depend on the others: each output is made by one thread, group
-// after group in order, with the same instructions whatever the number of rows beside it (the row
-// tile only unrolls a loop over rows), and the rounding of x is per row (rowwise.h). No timing
+// after group in order, with the same instructions whatever the number of rows beside it (a tile
+// of rows or of two panels only unrolls loops; its integer sums are exact), and the rounding of x is per row (rowwise.h). No timing
 // picks a path.
 //
 // The weights, as worker/continuous/kquants.py packs them: per panel of 16 output features and
@@ -87,6 +87,7 @@ struct Format {
 // either instruction set.
 #ifdef STORYTELLER_KQUANTS_VNNI
 constexpr int ROWS = 8;  // rows per pass over a panel: an accumulator and an integer sum each
+constexpr int PAIR_ROWS = 4;  // rows per pass over two panels: 8 accumulators, 8 (Q6_K: 16) integer sums
 struct Ints { __m512i v; };
 struct Floats { __m512 v; };
 static inline Ints load(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
@@ -101,14 +102,16 @@ static inline Ints shift(Ints a) {
   else if constexpr (N < 0) return {_mm512_srli_epi16(a.v, -N)};
   else return a;
 }
-// acc + the sums of four products of u's bytes (unsigned) with the four (signed) at x, per int32
-// lane. (Broadcast through a general register: a float broadcast straight from memory, which the
-// compiler folds into the load port, measured 1.2x slower at 64 rows.)
-static inline Ints dot4(Ints acc, Ints u, const int8_t* x) {
+// The four (signed) bytes at x in every int32 lane, and acc + the sums of four products of u's bytes
+// (unsigned) with them, per lane. (Broadcast through a general register: a float broadcast
+// straight from memory, which the compiler folds into the load port, measured 1.2x slower at 64
+// rows.)
+static inline Ints broadcast4(const int8_t* x) {
   int32_t four;
   std::memcpy(&four, x, sizeof(four));
-  return {_mm512_dpbusd_epi32(acc.v, u.v, _mm512_set1_epi32(four))};
+  return {_mm512_set1_epi32(four)};
 }
+static inline Ints dot4(Ints acc, Ints u, Ints x4) { return {_mm512_dpbusd_epi32(acc.v, u.v, x4.v)}; }
 static inline Floats to_floats(Ints a) { return {_mm512_cvtepi32_ps(a.v)}; }
 static inline Floats splatf(float v) { return {_mm512_set1_ps(v)}; }
 static inline Floats zerof() { return {_mm512_setzero_ps()}; }
@@ -128,6 +131,7 @@ static inline Floats loadf(const float* p) { return {_mm512_load_ps(p)}; }
 static inline void store_ints(Ints a, uint8_t* p) { _mm512_store_si512(p, a.v); }
 #else
 constexpr int ROWS = 4;  // AVX2 has 16 registers, and each of these takes two
+constexpr int PAIR_ROWS = 2;
 struct Ints { __m256i a, b; };
 struct Floats { __m256 a, b; };
 static inline Ints load(const uint8_t* p) {
@@ -146,12 +150,13 @@ static inline Ints shift(Ints x) {
 static inline __m256i dot4_half(__m256i acc, __m256i u, __m256i x) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
 }
-static inline Ints dot4(Ints acc, Ints u, const int8_t* x4) {
+static inline Ints broadcast4(const int8_t* x) {
   int32_t four;
-  std::memcpy(&four, x4, sizeof(four));
-  const __m256i x = _mm256_set1_epi32(four);
-  return {dot4_half(acc.a, u.a, x), dot4_half(acc.b, u.b, x)};
+  std::memcpy(&four, x, sizeof(four));
+  const __m256i v = _mm256_set1_epi32(four);
+  return {v, v};
 }
+static inline Ints dot4(Ints acc, Ints u, Ints x4) { return {dot4_half(acc.a, u.a, x4.a), dot4_half(acc.b, u.b, x4.b)}; }
 static inline Floats to_floats(Ints x) { return {_mm256_cvtepi32_ps(x.a), _mm256_cvtepi32_ps(x.b)}; }
 static inline Floats splatf(float v) { const __m256 s = _mm256_set1_ps(v); return {s, s}; }
 static inline Floats zerof() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
@@ -331,9 +336,22 @@ struct GroupSums {
   }
   inline void block(int j, Ints lo, Ints hi) {
     for (int r = 0; r < R; ++r) {
-      lo_sum[r] = dot4(lo_sum[r], lo, x + r * a.K + 4 * j);
+      lo_sum[r] = dot4(lo_sum[r], lo, broadcast4(x + r * a.K + 4 * j));
       Ints& to = F::halves ? hi_sum[r] : lo_sum[r];
-      to = dot4(to, hi, x + r * a.K + 16 + 4 * j);
+      to = dot4(to, hi, broadcast4(x + r * a.K + 16 + 4 * j));
+    }
+  }
+  // The same for this panel's block (lo, hi) and the next panel's (its sums: `next`), each
+  // broadcast of x serving both.
+  inline void pair_block(int j, Ints lo, Ints hi, GroupSums& next, Ints next_lo, Ints next_hi) {
+    for (int r = 0; r < R; ++r) {
+      const Ints x_lo = broadcast4(x + r * a.K + 4 * j), x_hi = broadcast4(x + r * a.K + 16 + 4 * j);
+      lo_sum[r] = dot4(lo_sum[r], lo, x_lo);
+      next.lo_sum[r] = dot4(next.lo_sum[r], next_lo, x_lo);
+      Ints& to = F::halves ? hi_sum[r] : lo_sum[r];
+      to = dot4(to, hi, x_hi);
+      Ints& next_to = F::halves ? next.hi_sum[r] : next.lo_sum[r];
+      next_to = dot4(next_to, next_hi, x_hi);
     }
   }
   inline void end(Floats scale, Floats scale2, Floats minimum, Floats* acc) const {
@@ -394,31 +412,81 @@ static constexpr auto row_tiles(std::index_sequence<R...>) {
       panel_rows<T, static_cast<int>(R) + 1>...};
 }
 
+// Rows r0..r0 + R of x against two panels made ready (a step of many rows), into out and next_out
+// [R, 16] each: every broadcast of x feeds the products of both, half the broadcasts per product
+// of a single panel's tile (which share the vector units with vpdpbusd).
+template <int T, int R>
+static void pair_rows(const Activations& a, int64_t r0, const Group* groups, const Group* next, float* out,
+                      float* next_out) {
+  Floats acc[R], next_acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = next_acc[r] = zerof();
+  for (int64_t g = 0; g < a.G; ++g, ++groups, ++next) {
+    GroupSums<T, R> sums(a, r0, g), next_sums(sums);
+    for (int j = 0; j < 4; ++j)
+      sums.pair_block(j, load(groups->u[2 * j]), load(groups->u[2 * j + 1]), next_sums, load(next->u[2 * j]),
+                      load(next->u[2 * j + 1]));
+    sums.end(loadf(groups->scale), loadf(groups->scale2), loadf(groups->minimum), acc);
+    next_sums.end(loadf(next->scale), loadf(next->scale2), loadf(next->minimum), next_acc);
+  }
+  for (int r = 0; r < R; ++r) store(acc[r], out + r * LANES), store(next_acc[r], next_out + r * LANES);
+}
+
+template <int T, size_t... R>
+static constexpr auto pair_tiles(std::index_sequence<R...>) {
+  return std::array<void (*)(const Activations&, int64_t, const Group*, const Group*, float*, float*), sizeof...(R)>{
+      pair_rows<T, static_cast<int>(R) + 1>...};
+}
+
 // y [rows, N] = x [rows, K] times the packed weight, threads splitting the panels (each output made
-// by one thread), a panel meeting ROWS rows at a time.
+// by one thread). A step of a few rows meets a panel ROWS rows at a time, straight from its bytes;
+// a step of more unpacks two panels at a time and meets them PAIR_ROWS rows at a time.
 template <int T, typename X>
 static void linear(const X* x, int64_t rows, int64_t K, const uint8_t* w, X* y, int64_t N) {
   thread_local Activations kept;  // the caller's thread quantizes; its buffers outlive the call
   Activations& a = kept;          // (named, so the threads below read the caller's, not their own)
   a.fill(x, rows, K);
-  const int64_t panel_bytes = Format<T>::bytes(a.G);
+  const int64_t panel_bytes = Format<T>::bytes(a.G), panels = N / LANES;
   static constexpr auto by_rows = row_tiles<T>(std::make_index_sequence<ROWS>());
-  const int64_t grain = std::max<int64_t>(1, MIN_WORK / (LANES * K * rows));
-  at::parallel_for(0, N / LANES, grain, [&](int64_t begin, int64_t end) {
-    alignas(64) float out[ROWS * LANES];
+  static constexpr auto by_pair = pair_tiles<T>(std::make_index_sequence<PAIR_ROWS>());
+  auto write = [&](const float* out, int64_t r0, int64_t n, int64_t p) {
+    for (int64_t r = 0; r < n; ++r)  // bf16: rounded to nearest, ties to even (c10's rounding)
+      for (int64_t f = 0; f < LANES; ++f) y[(r0 + r) * N + p * LANES + f] = static_cast<X>(out[r * LANES + f]);
+  };
+  if (rows <= ROWS) {
+    const int64_t grain = std::max<int64_t>(1, MIN_WORK / (LANES * K * rows));
+    at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+      alignas(64) float out[ROWS * LANES];
+      for (int64_t p = begin; p < end; ++p)
+        for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
+          const int64_t n = std::min<int64_t>(ROWS, rows - r0);
+          by_rows[n - 1](a, r0, w + p * panel_bytes, nullptr, out);
+          write(out, r0, n, p);
+        }
+    });
+    return;
+  }
+  const int64_t grain = std::max<int64_t>(1, MIN_WORK / (2 * LANES * K * rows));
+  at::parallel_for(0, (panels + 1) / 2, grain, [&](int64_t begin, int64_t end) {
+    alignas(64) float out[2][ROWS * LANES];  // ROWS >= PAIR_ROWS: the odd panel's tiles fit too
     thread_local aligned_vector<Group> ready;
-    for (int64_t p = begin; p < end; ++p) {
-      const uint8_t* panel = w + p * panel_bytes;
-      const bool many = rows > ROWS;
-      if (many) {
-        ready.resize(a.G);
-        unpack<T>(panel, a.G, ready.data());
+    ready.resize(2 * a.G);
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t p = 2 * pair;
+      unpack<T>(w + p * panel_bytes, a.G, ready.data());
+      if (p + 1 == panels) {  // an odd panel out: alone, ROWS rows at a time
+        for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
+          const int64_t n = std::min<int64_t>(ROWS, rows - r0);
+          by_rows[n - 1](a, r0, nullptr, ready.data(), out[0]);
+          write(out[0], r0, n, p);
+        }
+        continue;
       }
-      for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
-        const int64_t n = std::min<int64_t>(ROWS, rows - r0);
-        by_rows[n - 1](a, r0, panel, many ? ready.data() : nullptr, out);
-        for (int64_t r = 0; r < n; ++r)  // bf16: rounded to nearest, ties to even (c10's rounding)
-          for (int64_t f = 0; f < LANES; ++f) y[(r0 + r) * N + p * LANES + f] = static_cast<X>(out[r * LANES + f]);
+      unpack<T>(w + (p + 1) * panel_bytes, a.G, ready.data() + a.G);
+      for (int64_t r0 = 0; r0 < rows; r0 += PAIR_ROWS) {
+        const int64_t n = std::min<int64_t>(PAIR_ROWS, rows - r0);
+        by_pair[n - 1](a, r0, ready.data(), ready.data() + a.G, out[0], out[1]);
+        write(out[0], r0, n, p);
+        write(out[1], r0, n, p + 1);
       }
     }
   });
