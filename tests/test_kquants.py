@@ -69,6 +69,40 @@ def test_the_unpacked_blocks_are_the_files_weights_in_as_many_bytes(tensors, kin
 
 
 @pytest.mark.parametrize("kind", TYPES)
+def test_rows_read_from_the_panels_are_the_files_rows(tensors, kernel, kind):
+    """A tied head's panels serve as the embedding table (decoder.HeadRows): rows looked up in them
+    are gguf's dequantized rows bit for bit, any rows, any order, repeated."""
+    w = tensors[kind]
+    packed, rows = w.panel_packed(), w.dequantize()
+    ids = torch.tensor([0, w.shape[0] - 1, 17, 17, 5, w.shape[0] // 2])
+    assert torch.equal(kernel.kquant_rows(packed, w.code, w.shape[1], ids), rows[ids])
+    assert kernel.kquant_rows(packed, w.code, w.shape[1], ids[:0]).shape == (0, w.shape[1])
+    with pytest.raises(RuntimeError, match="out of"):
+        kernel.kquant_rows(packed, w.code, w.shape[1], torch.tensor([w.shape[0]]))
+
+
+def test_a_tied_k_quant_head_is_also_the_embedding_table(family_gguf):
+    """A model whose head is its embedding (SmolLM2-1.7B, Qwen2.5-1.5B) and whose table is a K-quant
+    holds the table once, as the head's panels, and looks the step's rows up in them: the file's
+    rows, bit for bit."""
+    from worker.continuous import models
+    from worker.continuous.config import EngineConfig
+    from worker.continuous.gguf_reader import read_gguf
+    from worker.continuous.models.decoder import HeadRows
+    config, tensors = read_gguf(family_gguf("llama", "Q6_K"))  # the tiny llama: its table is Q6_K
+    table = tensors["model.embed_tokens.weight"]
+    assert isinstance(table, KQuant) and table.name == "Q6_K"
+    del tensors["lm_head.weight"]  # tied, as the file would be without its own head
+    config.tie_word_embeddings = True
+    module = kernels.build(os.path.join(os.path.expanduser(Settings().cache_dir), "kernels"))
+    model = models.build(config, tensors, torch.bfloat16, torch.device("cpu"),
+                         EngineConfig.from_settings(Settings()), module)
+    assert isinstance(model.embed_rows, HeadRows) and model.embed is None
+    ids = torch.tensor([3, 49151, 3, 1000])
+    assert torch.equal(model.embed_rows.dequantize_rows(ids), table.dequantize()[ids])
+
+
+@pytest.mark.parametrize("kind", TYPES)
 def test_the_product_is_the_float_one_of_the_rounded_activations(tensors, kernel, kind):
     """Against float64 products of the file's weights: with x rounded as the kernel rounds it, equal
     but for float32's rounding; with x itself, within that rounding (~0.4% of a group's largest)."""
@@ -85,15 +119,20 @@ def test_the_product_is_the_float_one_of_the_rounded_activations(tensors, kernel
 
 @pytest.mark.parametrize("kind", TYPES)
 def test_one_rows_product_has_the_same_bits_at_every_step_size_and_place(tensors, kernel, kind):
-    """As the model holds it (bf16 activations, a Linear at every step), 1-512 rows."""
-    layer = Linear(tensors[kind], None, torch.bfloat16, torch.device("cpu"), EVERY_STEP, kernel)
-    assert layer.invariant and layer.path.endswith("-kquants"), layer.path
+    """As the model holds it (bf16 activations, a Linear at every step), 1-512 rows: a few rows
+    read the panels straight, more meet them two panels at a time; the weight's first 48 rows too,
+    whose third panel has no pair."""
+    w = tensors[kind]
+    odd = KQuant(w.raw[:48], w.ggml_type, (48, w.shape[1]))
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(512, tensors[kind].shape[1], generator=g).bfloat16()
-    each = torch.cat([layer(x[i:i + 1]) for i in range(512)])  # every row alone
-    for size in list(range(1, 20)) + [31, 32, 33, 63, 64, 65, 100, 127, 128, 129, 255, 256, 300, 511, 512]:
-        for start in (0, 512 - size, (512 - size) // 2):  # the same rows at other places in the step
-            assert torch.equal(layer(x[start:start + size]), each[start:start + size]), (size, start)
+    x = torch.randn(512, w.shape[1], generator=g).bfloat16()
+    for weight in (w, odd):
+        layer = Linear(weight, None, torch.bfloat16, torch.device("cpu"), EVERY_STEP, kernel)
+        assert layer.invariant and layer.path.endswith("-kquants"), layer.path
+        each = torch.cat([layer(x[i:i + 1]) for i in range(512)])  # every row alone
+        for size in list(range(1, 20)) + [31, 32, 33, 63, 64, 65, 100, 127, 128, 129, 255, 256, 300, 511, 512]:
+            for start in (0, 512 - size, (512 - size) // 2):  # the same rows at other places in the step
+                assert torch.equal(layer(x[start:start + size]), each[start:start + size]), (weight.shape, size, start)
 
 
 def test_the_avx2_build_writes_the_native_builds_bits(tensors):

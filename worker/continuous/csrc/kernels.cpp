@@ -76,6 +76,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_panel_dtypes", &dense_panel_dtypes, "the dtypes dense_panel_linear takes on this CPU");
 #endif
 #ifdef STORYTELLER_KQUANTS
+  m.def("kquant_rows", &kquant_rows, "rows of a K-quant, Q5_0 or Q5_1 weight packed in panels, as float32 (a tied head's embedding)",
+        py::arg("w"), py::arg("type"), py::arg("K"), py::arg("ids"), py::call_guard<py::gil_scoped_release>());
   m.def("kquant_linear", &kquant_linear, "x @ w.T for a K-quant, Q5_0 or Q5_1 weight packed in panels, x rounded to 8 bits per group of 32",
         py::arg("x"), py::arg("w"), py::arg("type"), py::call_guard<py::gil_scoped_release>());
 #endif

@@ -23,8 +23,8 @@
 // largest activation.
 //
 // Why one row's result cannot depend on the others: each output is made by one thread, group
-// after group in order, with the same instructions whatever the number of rows beside it (the row
-// tile only unrolls a loop over rows), and the rounding of x is per row (rowwise.h). No timing
+// after group in order, with the same instructions whatever the number of rows beside it (a tile
+// of rows or of two panels only unrolls loops; its integer sums are exact), and the rounding of x is per row (rowwise.h). No timing
 // picks a path.
 //
 // The weights, as worker/continuous/kquants.py packs them: per panel of 16 output features and
@@ -87,6 +87,7 @@ struct Format {
 // either instruction set.
 #ifdef STORYTELLER_KQUANTS_VNNI
 constexpr int ROWS = 8;  // rows per pass over a panel: an accumulator and an integer sum each
+constexpr int PAIR_ROWS = 4;  // rows per pass over two panels: 8 accumulators, 8 (Q6_K: 16) integer sums
 struct Ints { __m512i v; };
 struct Floats { __m512 v; };
 static inline Ints load(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
@@ -101,14 +102,16 @@ static inline Ints shift(Ints a) {
   else if constexpr (N < 0) return {_mm512_srli_epi16(a.v, -N)};
   else return a;
 }
-// acc + the sums of four products of u's bytes (unsigned) with the four (signed) at x, per int32
-// lane. (Broadcast through a general register: a float broadcast straight from memory, which the
-// compiler folds into the load port, measured 1.2x slower at 64 rows.)
-static inline Ints dot4(Ints acc, Ints u, const int8_t* x) {
+// The four (signed) bytes at x in every int32 lane, and acc + the sums of four products of u's bytes
+// (unsigned) with them, per lane. (Broadcast through a general register: a float broadcast
+// straight from memory, which the compiler folds into the load port, measured 1.2x slower at 64
+// rows.)
+static inline Ints broadcast4(const int8_t* x) {
   int32_t four;
   std::memcpy(&four, x, sizeof(four));
-  return {_mm512_dpbusd_epi32(acc.v, u.v, _mm512_set1_epi32(four))};
+  return {_mm512_set1_epi32(four)};
 }
+static inline Ints dot4(Ints acc, Ints u, Ints x4) { return {_mm512_dpbusd_epi32(acc.v, u.v, x4.v)}; }
 static inline Floats to_floats(Ints a) { return {_mm512_cvtepi32_ps(a.v)}; }
 static inline Floats splatf(float v) { return {_mm512_set1_ps(v)}; }
 static inline Floats zerof() { return {_mm512_setzero_ps()}; }
@@ -128,6 +131,7 @@ static inline Floats loadf(const float* p) { return {_mm512_load_ps(p)}; }
 static inline void store_ints(Ints a, uint8_t* p) { _mm512_store_si512(p, a.v); }
 #else
 constexpr int ROWS = 4;  // AVX2 has 16 registers, and each of these takes two
+constexpr int PAIR_ROWS = 2;
 struct Ints { __m256i a, b; };
 struct Floats { __m256 a, b; };
 static inline Ints load(const uint8_t* p) {
@@ -146,12 +150,13 @@ static inline Ints shift(Ints x) {
 static inline __m256i dot4_half(__m256i acc, __m256i u, __m256i x) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
 }
-static inline Ints dot4(Ints acc, Ints u, const int8_t* x4) {
+static inline Ints broadcast4(const int8_t* x) {
   int32_t four;
-  std::memcpy(&four, x4, sizeof(four));
-  const __m256i x = _mm256_set1_epi32(four);
-  return {dot4_half(acc.a, u.a, x), dot4_half(acc.b, u.b, x)};
+  std::memcpy(&four, x, sizeof(four));
+  const __m256i v = _mm256_set1_epi32(four);
+  return {v, v};
 }
+static inline Ints dot4(Ints acc, Ints u, Ints x4) { return {dot4_half(acc.a, u.a, x4.a), dot4_half(acc.b, u.b, x4.b)}; }
 static inline Floats to_floats(Ints x) { return {_mm256_cvtepi32_ps(x.a), _mm256_cvtepi32_ps(x.b)}; }
 static inline Floats splatf(float v) { const __m256 s = _mm256_set1_ps(v); return {s, s}; }
 static inline Floats zerof() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
@@ -238,85 +243,118 @@ struct Group {
   alignas(64) float scale[LANES], scale2[LANES], minimum[LANES];
 };
 
+// Block J of a group (w: the group's bytes) as the bytes u of its two vectors, 2J and 2J + 1.
 template <int T, int J>
-static inline void unpack_block(const uint8_t* w, Group& out) {
+static inline void block_u(const uint8_t* w, Ints& lo, Ints& hi) {
   const Ints raw = load(w + 64 * J);
-  Ints lo = raw & bytes(0x0F), hi = shift<-4>(raw) & bytes(0x0F);
+  lo = raw & bytes(0x0F), hi = shift<-4>(raw) & bytes(0x0F);
   if constexpr (Format<T>::bits > 4) {
     lo = lo | high_bits<T, 2 * J>(w + 256);
     hi = hi | high_bits<T, 2 * J + 1>(w + 256);
   }
-  store_ints(lo, out.u[2 * J]);
-  store_ints(hi, out.u[2 * J + 1]);
 }
 
-// The panel's groups g0..g1 (w: the panel's bytes) into out[0..g1 - g0]. The header of a
-// superblock is read where its first group is.
+// A group's scales S (and Q6_K's second S, of weights 16-31) and minimums M as floats; d and dmin
+// are its superblock's.
 template <int T>
-static void unpack(const uint8_t* w, int64_t g0, int64_t g1, Group* out) {
-  using F = Format<T>;
-  w += g0 / F::super * F::header + g0 * F::group + (g0 % F::super ? F::header : 0);
-  Floats d = zerof(), dmin = zerof();
-  if (F::header && g0 % F::super) {  // a run that starts inside a superblock: its header first
-    const uint8_t* h = w - (g0 % F::super) * F::group - F::header;
-    d = halves16(h);
-    if (F::minimum) dmin = halves16(h + 32);
+static inline void group_scales(const uint8_t* w, Floats d, Floats dmin, Floats& scale, Floats& scale2, Floats& minimum) {
+  const uint8_t* sc = w + 256 + Format<T>::high;
+  scale2 = zerof(), minimum = zerof();
+  if constexpr (T == Q4_K || T == Q5_K) {
+    scale = mul(d, ubytes16(sc));
+    minimum = mul(dmin, ubytes16(sc + 16));
+  } else if constexpr (T == Q6_K) {
+    scale = mul(d, sbytes16(sc));
+    scale2 = mul(d, sbytes16(sc + 16));
+  } else {
+    scale = halves16(sc);
+    if (T == Q5_1) minimum = halves16(sc + 32);
   }
-  for (int64_t g = g0; g < g1; ++g, ++out) {
+}
+
+// The weights stream through once (a few rows a step): ask for those a few groups ahead.
+template <int T>
+static inline void prefetch_ahead(const uint8_t* w) {
+  for (int64_t line = 0; AHEAD && line < Format<T>::group; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(w + AHEAD * Format<T>::group + line), _MM_HINT_T0);
+}
+
+// Walks a panel's G groups (w: the panel's bytes), calling visit(g, the group's bytes, d, dmin),
+// d and dmin from the header of the group's superblock.
+template <int T, typename Visit>
+static inline void each_group(const uint8_t* w, int64_t G, const Visit& visit) {
+  using F = Format<T>;
+  Floats d = zerof(), dmin = zerof();
+  for (int64_t g = 0; g < G; ++g) {
     if (F::header && g % F::super == 0) {
       d = halves16(w);
       if (F::minimum) dmin = halves16(w + 32);
       w += F::header;
     }
-    // The weights stream through once (a few rows a step): ask for those a few groups ahead.
-    for (int64_t line = 0; AHEAD && line < F::group; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(w + AHEAD * F::group + line), _MM_HINT_T0);
-    const uint8_t* sc = w + 256 + F::high;
-    Floats scale, scale2 = zerof(), minimum = zerof();
-    if constexpr (T == Q4_K || T == Q5_K) {
-      scale = mul(d, ubytes16(sc));
-      minimum = mul(dmin, ubytes16(sc + 16));
-    } else if constexpr (T == Q6_K) {
-      scale = mul(d, sbytes16(sc));
-      scale2 = mul(d, sbytes16(sc + 16));
-    } else {
-      scale = halves16(sc);
-      if (T == Q5_1) minimum = halves16(sc + 32);
-    }
-    store(scale, out->scale);
-    store(scale2, out->scale2);
-    store(minimum, out->minimum);
-    unpack_block<T, 0>(w, *out);
-    unpack_block<T, 1>(w, *out);
-    unpack_block<T, 2>(w, *out);
-    unpack_block<T, 3>(w, *out);
+    prefetch_ahead<T>(w);
+    visit(g, w, d, dmin);
     w += F::group;
   }
 }
 
-// Rows r0..r0 + R of x against groups g0..g1 of a panel (made ready: `groups`), added to acc.
+// A panel's G groups (w: the panel's bytes) made ready, into out[0..G].
+template <int T>
+static void unpack(const uint8_t* w, int64_t G, Group* out) {
+  each_group<T>(w, G, [&](int64_t g, const uint8_t* group, Floats d, Floats dmin) {
+    Group& o = out[g];
+    Floats scale, scale2, minimum;
+    group_scales<T>(group, d, dmin, scale, scale2, minimum);
+    store(scale, o.scale);
+    store(scale2, o.scale2);
+    store(minimum, o.minimum);
+    Ints lo, hi;
+    block_u<T, 0>(group, lo, hi), store_ints(lo, o.u[0]), store_ints(hi, o.u[1]);
+    block_u<T, 1>(group, lo, hi), store_ints(lo, o.u[2]), store_ints(hi, o.u[3]);
+    block_u<T, 2>(group, lo, hi), store_ints(lo, o.u[4]), store_ints(hi, o.u[5]);
+    block_u<T, 3>(group, lo, hi), store_ints(lo, o.u[6]), store_ints(hi, o.u[7]);
+  });
+}
+
+// R rows' integer sums over one group, then into acc: begin (the zero points' start), a block
+// at a time (its two vectors' bytes lo, hi), end (the scales). Whether the bytes and scales come
+// from a Group made ready or straight from the panel, each row meets the same integers and the
+// same float operations in the same order: the same bits.
 template <int T, int R>
-static inline void rows_groups(const Activations& a, int64_t r0, int64_t g0, int64_t g1, const Group* groups,
-                               Floats* acc) {
+struct GroupSums {
   using F = Format<T>;
-  for (int64_t g = g0; g < g1; ++g, ++groups) {
-    const int64_t at = r0 * a.G + g;
-    Ints lo_sum[R], hi_sum[R];
+  const Activations& a;
+  int64_t at;  // rows r0.. of group g: (r0 * G + g)
+  const int8_t* x;
+  Ints lo_sum[R], hi_sum[R];
+
+  GroupSums(const Activations& a_, int64_t r0, int64_t g) : a(a_), at(r0 * a_.G + g), x(a_.q.data() + r0 * a_.K + g * GROUP) {
     for (int r = 0; r < R; ++r) {
       const int32_t* s = a.sums.data() + (at + r * a.G) * 2;
       lo_sum[r] = splat(F::halves ? -F::zero * s[0] : -F::zero * (s[0] + s[1]));
       hi_sum[r] = splat(F::halves ? -F::zero * s[1] : 0);
     }
-    const int8_t* x = a.q.data() + r0 * a.K + g * GROUP;
-    for (int j = 0; j < 4; ++j) {
-      const Ints lo = load(groups->u[2 * j]), hi = load(groups->u[2 * j + 1]);
-      for (int r = 0; r < R; ++r) {
-        lo_sum[r] = dot4(lo_sum[r], lo, x + r * a.K + 4 * j);
-        Ints& to = F::halves ? hi_sum[r] : lo_sum[r];
-        to = dot4(to, hi, x + r * a.K + 16 + 4 * j);
-      }
+  }
+  inline void block(int j, Ints lo, Ints hi) {
+    for (int r = 0; r < R; ++r) {
+      lo_sum[r] = dot4(lo_sum[r], lo, broadcast4(x + r * a.K + 4 * j));
+      Ints& to = F::halves ? hi_sum[r] : lo_sum[r];
+      to = dot4(to, hi, broadcast4(x + r * a.K + 16 + 4 * j));
     }
-    const Floats scale = loadf(groups->scale), scale2 = loadf(groups->scale2), minimum = loadf(groups->minimum);
+  }
+  // The same for this panel's block (lo, hi) and the next panel's (its sums: `next`), each
+  // broadcast of x serving both.
+  inline void pair_block(int j, Ints lo, Ints hi, GroupSums& next, Ints next_lo, Ints next_hi) {
+    for (int r = 0; r < R; ++r) {
+      const Ints x_lo = broadcast4(x + r * a.K + 4 * j), x_hi = broadcast4(x + r * a.K + 16 + 4 * j);
+      lo_sum[r] = dot4(lo_sum[r], lo, x_lo);
+      next.lo_sum[r] = dot4(next.lo_sum[r], next_lo, x_lo);
+      Ints& to = F::halves ? hi_sum[r] : lo_sum[r];
+      to = dot4(to, hi, x_hi);
+      Ints& next_to = F::halves ? next.hi_sum[r] : next.lo_sum[r];
+      next_to = dot4(next_to, next_hi, x_hi);
+    }
+  }
+  inline void end(Floats scale, Floats scale2, Floats minimum, Floats* acc) const {
     for (int r = 0; r < R; ++r) {
       const Floats dx = splatf(a.dx[at + r * a.G]);
       acc[r] = fma(to_floats(lo_sum[r]), mul(scale, dx), acc[r]);
@@ -324,27 +362,47 @@ static inline void rows_groups(const Activations& a, int64_t r0, int64_t g0, int
       if (F::minimum) acc[r] = fma(minimum, splatf(-a.dsum[at + r * a.G]), acc[r]);
     }
   }
+};
+
+// Rows r0..r0 + R of x against a panel's groups made ready (`groups`), added to acc: a step of
+// many rows unpacks each panel once for all its row tiles.
+template <int T, int R>
+static inline void rows_ready(const Activations& a, int64_t r0, const Group* groups, Floats* acc) {
+  for (int64_t g = 0; g < a.G; ++g, ++groups) {
+    GroupSums<T, R> sums(a, r0, g);
+    for (int j = 0; j < 4; ++j) sums.block(j, load(groups->u[2 * j]), load(groups->u[2 * j + 1]));
+    sums.end(loadf(groups->scale), loadf(groups->scale2), loadf(groups->minimum), acc);
+  }
 }
 
-// Rows r0..r0 + R of x against one panel, into out [R, 16] floats. `ready`: the panel's groups
-// already unpacked (a step of many rows unpacks each panel once for all its row tiles), or null:
-// unpacked here a few groups at a time, in L1 (a step of a few rows: the weights stream by once).
-// Either way each row meets the same bytes and scales in the same order: the same bits.
-constexpr int64_t RUN = 4;  // groups unpacked at a time when not ready
+// The same straight from the panel's bytes, in registers: a step of a few rows, whose weights
+// stream by once (storing each group's bytes and reading them back cost more than the products at
+// one row: a store of 64 bytes takes two cycles on Zen 4).
+template <int T, int R>
+static inline void rows_direct(const Activations& a, int64_t r0, const uint8_t* w, Floats* acc) {
+  each_group<T>(w, a.G, [&](int64_t g, const uint8_t* group, Floats d, Floats dmin) {
+    GroupSums<T, R> sums(a, r0, g);
+    Ints lo, hi;
+    block_u<T, 0>(group, lo, hi), sums.block(0, lo, hi);
+    block_u<T, 1>(group, lo, hi), sums.block(1, lo, hi);
+    block_u<T, 2>(group, lo, hi), sums.block(2, lo, hi);
+    block_u<T, 3>(group, lo, hi), sums.block(3, lo, hi);
+    Floats scale, scale2, minimum;
+    group_scales<T>(group, d, dmin, scale, scale2, minimum);
+    sums.end(scale, scale2, minimum, acc);
+  });
+}
+
+// Rows r0..r0 + R of x against one panel, into out [R, 16] floats: from the panel's groups made
+// ready, or (null) straight from its bytes.
 template <int T, int R>
 static void panel_rows(const Activations& a, int64_t r0, const uint8_t* w, const Group* ready, float* out) {
   Floats acc[R];
   for (int r = 0; r < R; ++r) acc[r] = zerof();
-  if (ready) {
-    rows_groups<T, R>(a, r0, 0, a.G, ready, acc);
-  } else {
-    Group run[RUN];
-    for (int64_t g0 = 0; g0 < a.G; g0 += RUN) {
-      const int64_t g1 = std::min(a.G, g0 + RUN);
-      unpack<T>(w, g0, g1, run);
-      rows_groups<T, R>(a, r0, g0, g1, run, acc);
-    }
-  }
+  if (ready)
+    rows_ready<T, R>(a, r0, ready, acc);
+  else
+    rows_direct<T, R>(a, r0, w, acc);
   for (int r = 0; r < R; ++r) store(acc[r], out + r * LANES);
 }
 
@@ -354,31 +412,81 @@ static constexpr auto row_tiles(std::index_sequence<R...>) {
       panel_rows<T, static_cast<int>(R) + 1>...};
 }
 
+// Rows r0..r0 + R of x against two panels made ready (a step of many rows), into out and next_out
+// [R, 16] each: every broadcast of x feeds the products of both, half the broadcasts per product
+// of a single panel's tile (which share the vector units with vpdpbusd).
+template <int T, int R>
+static void pair_rows(const Activations& a, int64_t r0, const Group* groups, const Group* next, float* out,
+                      float* next_out) {
+  Floats acc[R], next_acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = next_acc[r] = zerof();
+  for (int64_t g = 0; g < a.G; ++g, ++groups, ++next) {
+    GroupSums<T, R> sums(a, r0, g), next_sums(sums);
+    for (int j = 0; j < 4; ++j)
+      sums.pair_block(j, load(groups->u[2 * j]), load(groups->u[2 * j + 1]), next_sums, load(next->u[2 * j]),
+                      load(next->u[2 * j + 1]));
+    sums.end(loadf(groups->scale), loadf(groups->scale2), loadf(groups->minimum), acc);
+    next_sums.end(loadf(next->scale), loadf(next->scale2), loadf(next->minimum), next_acc);
+  }
+  for (int r = 0; r < R; ++r) store(acc[r], out + r * LANES), store(next_acc[r], next_out + r * LANES);
+}
+
+template <int T, size_t... R>
+static constexpr auto pair_tiles(std::index_sequence<R...>) {
+  return std::array<void (*)(const Activations&, int64_t, const Group*, const Group*, float*, float*), sizeof...(R)>{
+      pair_rows<T, static_cast<int>(R) + 1>...};
+}
+
 // y [rows, N] = x [rows, K] times the packed weight, threads splitting the panels (each output made
-// by one thread), a panel meeting ROWS rows at a time.
+// by one thread). A step of a few rows meets a panel ROWS rows at a time, straight from its bytes;
+// a step of more unpacks two panels at a time and meets them PAIR_ROWS rows at a time.
 template <int T, typename X>
 static void linear(const X* x, int64_t rows, int64_t K, const uint8_t* w, X* y, int64_t N) {
   thread_local Activations kept;  // the caller's thread quantizes; its buffers outlive the call
   Activations& a = kept;          // (named, so the threads below read the caller's, not their own)
   a.fill(x, rows, K);
-  const int64_t panel_bytes = Format<T>::bytes(a.G);
+  const int64_t panel_bytes = Format<T>::bytes(a.G), panels = N / LANES;
   static constexpr auto by_rows = row_tiles<T>(std::make_index_sequence<ROWS>());
-  const int64_t grain = std::max<int64_t>(1, MIN_WORK / (LANES * K * rows));
-  at::parallel_for(0, N / LANES, grain, [&](int64_t begin, int64_t end) {
-    alignas(64) float out[ROWS * LANES];
+  static constexpr auto by_pair = pair_tiles<T>(std::make_index_sequence<PAIR_ROWS>());
+  auto write = [&](const float* out, int64_t r0, int64_t n, int64_t p) {
+    for (int64_t r = 0; r < n; ++r)  // bf16: rounded to nearest, ties to even (c10's rounding)
+      for (int64_t f = 0; f < LANES; ++f) y[(r0 + r) * N + p * LANES + f] = static_cast<X>(out[r * LANES + f]);
+  };
+  if (rows <= ROWS) {
+    const int64_t grain = std::max<int64_t>(1, MIN_WORK / (LANES * K * rows));
+    at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+      alignas(64) float out[ROWS * LANES];
+      for (int64_t p = begin; p < end; ++p)
+        for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
+          const int64_t n = std::min<int64_t>(ROWS, rows - r0);
+          by_rows[n - 1](a, r0, w + p * panel_bytes, nullptr, out);
+          write(out, r0, n, p);
+        }
+    });
+    return;
+  }
+  const int64_t grain = std::max<int64_t>(1, MIN_WORK / (2 * LANES * K * rows));
+  at::parallel_for(0, (panels + 1) / 2, grain, [&](int64_t begin, int64_t end) {
+    alignas(64) float out[2][ROWS * LANES];  // ROWS >= PAIR_ROWS: the odd panel's tiles fit too
     thread_local aligned_vector<Group> ready;
-    for (int64_t p = begin; p < end; ++p) {
-      const uint8_t* panel = w + p * panel_bytes;
-      const bool many = rows > ROWS;
-      if (many) {
-        ready.resize(a.G);
-        unpack<T>(panel, 0, a.G, ready.data());
+    ready.resize(2 * a.G);
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t p = 2 * pair;
+      unpack<T>(w + p * panel_bytes, a.G, ready.data());
+      if (p + 1 == panels) {  // an odd panel out: alone, ROWS rows at a time
+        for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
+          const int64_t n = std::min<int64_t>(ROWS, rows - r0);
+          by_rows[n - 1](a, r0, nullptr, ready.data(), out[0]);
+          write(out[0], r0, n, p);
+        }
+        continue;
       }
-      for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
-        const int64_t n = std::min<int64_t>(ROWS, rows - r0);
-        by_rows[n - 1](a, r0, panel, many ? ready.data() : nullptr, out);
-        for (int64_t r = 0; r < n; ++r)  // bf16: rounded to nearest, ties to even (c10's rounding)
-          for (int64_t f = 0; f < LANES; ++f) y[(r0 + r) * N + p * LANES + f] = static_cast<X>(out[r * LANES + f]);
+      unpack<T>(w + (p + 1) * panel_bytes, a.G, ready.data() + a.G);
+      for (int64_t r0 = 0; r0 < rows; r0 += PAIR_ROWS) {
+        const int64_t n = std::min<int64_t>(PAIR_ROWS, rows - r0);
+        by_pair[n - 1](a, r0, ready.data(), ready.data() + a.G, out[0], out[1]);
+        write(out[0], r0, n, p);
+        write(out[1], r0, n, p + 1);
       }
     }
   });
@@ -407,6 +515,28 @@ static inline int64_t panel_bytes(int64_t type, int64_t G) {
   }
 }
 
+// Output features ids of the packed weight as float32 rows [n, K] (an embedding lookup in a tied
+// head's panels): w = S u - M, each value the product S u (exact: at most 24 bits) less M, rounded
+// once, which is gguf's dequantization bit for bit.
+template <int T>
+static void feature_rows(const uint8_t* w, int64_t K, const int64_t* ids, int64_t n, float* out) {
+  const int64_t G = K / GROUP, panel_bytes = Format<T>::bytes(G);
+  aligned_vector<Group> groups(G);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t f = ids[i] % LANES;
+    unpack<T>(w + ids[i] / LANES * panel_bytes, G, groups.data());
+    for (int64_t g = 0; g < G; ++g) {
+      const Group& group = groups[g];
+      for (int64_t k = 0; k < GROUP; ++k) {  // weight k of the group: vector 2 (k % 16 / 4) + k / 16, byte k % 4
+        const float u = group.u[2 * (k % 16 / 4) + k / 16][4 * f + k % 4];
+        const float scale = Format<T>::halves && k >= 16 ? group.scale2[f] : group.scale[f];
+        const float minimum = Format<T>::minimum ? group.minimum[f] : Format<T>::zero * scale;
+        out[i * K + g * GROUP + k] = scale * u - minimum;
+      }
+    }
+  }
+}
+
 }  // namespace kquants
 
 // x: [rows, K] float32 or bfloat16; w: [N / 16, panel bytes] uint8 packed by kquants.py for `type`
@@ -428,6 +558,29 @@ static torch::Tensor kquant_linear(const torch::Tensor& x_in, const torch::Tenso
   else
     kquants::dispatch(type, x.data_ptr<float>(), rows, K, w.data_ptr<uint8_t>(), y.data_ptr<float>(), N);
   return y.to(x_in.scalar_type());
+}
+
+// Rows `ids` of the weight w ([N / 16, panel bytes], packed for `type`, K inputs) as float32
+// [len(ids), K]: a tied head's panels looked up as the embedding table.
+static torch::Tensor kquant_rows(const torch::Tensor& w, int64_t type, int64_t K, const torch::Tensor& ids_in) {
+  const int64_t expected = kquants::panel_bytes(type, K / kquants::GROUP);
+  TORCH_CHECK(expected > 0 && K % kquants::GROUP == 0, "kquant_rows: unknown type code ", type, " or K not a multiple of 32");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.size(1) == expected,
+              "kquant_rows: w must be [N / 16, ", expected, "] uint8 for this type and K");
+  const torch::Tensor ids = ids_in.to(torch::kInt64).contiguous();
+  const int64_t n = ids.numel(), N = w.size(0) * kquants::LANES, *p = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(p[i] >= 0 && p[i] < N, "kquant_rows: id ", p[i], " out of [0, ", N, ")");
+  auto out = torch::empty({n, K}, torch::kFloat32);
+  const uint8_t* weights = w.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  switch (type) {
+    case kquants::Q4_K: kquants::feature_rows<kquants::Q4_K>(weights, K, p, n, o); break;
+    case kquants::Q5_K: kquants::feature_rows<kquants::Q5_K>(weights, K, p, n, o); break;
+    case kquants::Q6_K: kquants::feature_rows<kquants::Q6_K>(weights, K, p, n, o); break;
+    case kquants::Q5_0: kquants::feature_rows<kquants::Q5_0>(weights, K, p, n, o); break;
+    case kquants::Q5_1: kquants::feature_rows<kquants::Q5_1>(weights, K, p, n, o); break;
+  }
+  return out;
 }
 
 }  // namespace storyteller

@@ -29,7 +29,7 @@ from transformers.activations import ACT2FN
 from worker.continuous import attention
 from worker.continuous.attention import KVCache, StepLayout
 from worker.continuous.config import EngineConfig
-from worker.continuous.linear import EVERY_STEP, Linear
+from worker.continuous.linear import EVERY_STEP, KQUANT_PATHS, Linear
 from worker.continuous.kquants import KQuant
 from worker.continuous.weights import dense_float, fuse, quantize_q4_1
 
@@ -138,7 +138,8 @@ class Decoder:
         embed = tensors["model.embed_tokens.weight"]  # quantized in a GGUF file (SmolLM2's: Q8_0)
         # A K-quant table (a Q4_K_M file's Q6_K: 82 MB for SmolLM2-1.7B's, 192 MB as bf16) stays in
         # the file's blocks, a step's rows dequantized as it needs them (the same values as the
-        # whole table's); the others are a dense table, looked up by index.
+        # whole table's), or, where it is also the head and the head runs on the K-quant kernel, in
+        # the head's panels (HeadRows, below); the others are a dense table, looked up by index.
         self.embed_rows = embed.owned() if isinstance(embed, KQuant) and device.type == "cpu" else None
         self.embed = None if self.embed_rows is not None else \
             (embed.dequantize() if hasattr(embed, "dequantize") else embed).to(device=device, dtype=dtype)
@@ -160,6 +161,8 @@ class Decoder:
         head = quantize_q4_1(dense_float(head)) if int4_head else head
         self.head = Linear(head, None, dtype, device, EVERY_STEP if int4_head else int4_rows, kernel, small=small,
                            dense=self.embed if tied else None)
+        if tied and self.embed_rows is not None and self.head.small in KQUANT_PATHS:
+            self.embed_rows = HeadRows(self.head)  # the head's panels are the table: no second copy
 
         # Positions the tables cover: the context, or for longrope the original one, where its short
         # factors apply (past it transformers switches every position to the long ones).
@@ -255,6 +258,18 @@ class Decoder:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(self._norm(hidden, self.norm))
+
+
+class HeadRows:
+    """A tied head on the K-quant kernel looked up as the embedding table: a step's rows are read
+    from the head's panels (csrc/kquants.h, kquant_rows), the same values as the file's blocks give
+    (tests/test_kquants.py), so the table is not held twice (SmolLM2-1.7B's Q6_K: 82 MB)."""
+
+    def __init__(self, head: Linear):
+        self.head = head
+
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head.kernel.kquant_rows(self.head.packed, self.head.code, self.head.in_features, ids)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
