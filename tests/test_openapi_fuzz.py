@@ -33,7 +33,7 @@ CHECKS = ["not_a_server_error", "status_code_conformance", "content_type_conform
           "response_headers_conformance", "response_schema_conformance",
           # invalid data must be refused: the API is no looser than its description
           "negative_data_rejection", "unsupported_method", "allow_header_conformance"]
-FUZZ_SECONDS = 75       # the two passes on the completion routes, side by side (the rest: half)
+FUZZ_SECONDS = 50       # the two passes on the completion routes, side by side (the rest: half)
 GENERATE = "^/v1/(chat/)?completions$"
 BATCH_FILE = json.dumps({"custom_id": "lore-1", "method": "POST", "url": "/v1/chat/completions",
                          "body": {"model": MODEL, "messages": [{"role": "user", "content": "A gate?"}]}}) + "\n"
