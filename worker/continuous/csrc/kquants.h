@@ -41,18 +41,10 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "lanes.h"
 #include "rowwise.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define STORYTELLER_KQUANTS 1
-#define STORYTELLER_KQUANTS_VNNI 1
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define STORYTELLER_KQUANTS 1
-#endif
-
 #ifdef STORYTELLER_KQUANTS
-#include <immintrin.h>
-
 #include <array>
 #include <cmath>
 #include <cstring>
@@ -82,104 +74,12 @@ struct Format {
   static constexpr int64_t bytes(int64_t G) { return G / super * header + G * group; }  // a panel's
 };
 
-// 16 int32 (or 64 byte) lanes and 16 float lanes: one AVX-512 register, or two AVX2 ones. The
-// kernel below is written once against these; each operation does the same to every lane on
-// either instruction set.
 #ifdef STORYTELLER_KQUANTS_VNNI
 constexpr int ROWS = 8;  // rows per pass over a panel: an accumulator and an integer sum each
 constexpr int PAIR_ROWS = 4;  // rows per pass over two panels: 8 accumulators, 8 (Q6_K: 16) integer sums
-struct Ints { __m512i v; };
-struct Floats { __m512 v; };
-static inline Ints load(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
-static inline Ints bytes(int b) { return {_mm512_set1_epi8(static_cast<char>(b))}; }
-static inline Ints splat(int32_t v) { return {_mm512_set1_epi32(v)}; }
-static inline Ints operator&(Ints a, Ints b) { return {_mm512_and_si512(a.v, b.v)}; }
-static inline Ints operator|(Ints a, Ints b) { return {_mm512_or_si512(a.v, b.v)}; }
-// Each 16-bit lane shifted by n (left if n > 0): with a byte mask after it, a shift of every byte.
-template <int N>
-static inline Ints shift(Ints a) {
-  if constexpr (N > 0) return {_mm512_slli_epi16(a.v, N)};
-  else if constexpr (N < 0) return {_mm512_srli_epi16(a.v, -N)};
-  else return a;
-}
-// The four (signed) bytes at x in every int32 lane, and acc + the sums of four products of u's bytes
-// (unsigned) with them, per lane. (Broadcast through a general register: a float broadcast
-// straight from memory, which the compiler folds into the load port, measured 1.2x slower at 64
-// rows.)
-static inline Ints broadcast4(const int8_t* x) {
-  int32_t four;
-  std::memcpy(&four, x, sizeof(four));
-  return {_mm512_set1_epi32(four)};
-}
-static inline Ints dot4(Ints acc, Ints u, Ints x4) { return {_mm512_dpbusd_epi32(acc.v, u.v, x4.v)}; }
-static inline Floats to_floats(Ints a) { return {_mm512_cvtepi32_ps(a.v)}; }
-static inline Floats splatf(float v) { return {_mm512_set1_ps(v)}; }
-static inline Floats zerof() { return {_mm512_setzero_ps()}; }
-static inline Floats mul(Floats a, Floats b) { return {_mm512_mul_ps(a.v, b.v)}; }
-static inline Floats fma(Floats a, Floats b, Floats c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
-static inline Floats halves16(const uint8_t* p) {
-  return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
-}
-static inline Floats ubytes16(const uint8_t* p) {
-  return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
-}
-static inline Floats sbytes16(const uint8_t* p) {
-  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
-}
-static inline void store(Floats a, float* p) { _mm512_storeu_ps(p, a.v); }
-static inline Floats loadf(const float* p) { return {_mm512_load_ps(p)}; }
-static inline void store_ints(Ints a, uint8_t* p) { _mm512_store_si512(p, a.v); }
 #else
 constexpr int ROWS = 4;  // AVX2 has 16 registers, and each of these takes two
 constexpr int PAIR_ROWS = 2;
-struct Ints { __m256i a, b; };
-struct Floats { __m256 a, b; };
-static inline Ints load(const uint8_t* p) {
-  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
-}
-static inline Ints bytes(int b) { const __m256i v = _mm256_set1_epi8(static_cast<char>(b)); return {v, v}; }
-static inline Ints splat(int32_t v) { const __m256i s = _mm256_set1_epi32(v); return {s, s}; }
-static inline Ints operator&(Ints x, Ints y) { return {_mm256_and_si256(x.a, y.a), _mm256_and_si256(x.b, y.b)}; }
-static inline Ints operator|(Ints x, Ints y) { return {_mm256_or_si256(x.a, y.a), _mm256_or_si256(x.b, y.b)}; }
-template <int N>
-static inline Ints shift(Ints x) {
-  if constexpr (N > 0) return {_mm256_slli_epi16(x.a, N), _mm256_slli_epi16(x.b, N)};
-  else if constexpr (N < 0) return {_mm256_srli_epi16(x.a, -N), _mm256_srli_epi16(x.b, -N)};
-  else return x;
-}
-static inline __m256i dot4_half(__m256i acc, __m256i u, __m256i x) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
-}
-static inline Ints broadcast4(const int8_t* x) {
-  int32_t four;
-  std::memcpy(&four, x, sizeof(four));
-  const __m256i v = _mm256_set1_epi32(four);
-  return {v, v};
-}
-static inline Ints dot4(Ints acc, Ints u, Ints x4) { return {dot4_half(acc.a, u.a, x4.a), dot4_half(acc.b, u.b, x4.b)}; }
-static inline Floats to_floats(Ints x) { return {_mm256_cvtepi32_ps(x.a), _mm256_cvtepi32_ps(x.b)}; }
-static inline Floats splatf(float v) { const __m256 s = _mm256_set1_ps(v); return {s, s}; }
-static inline Floats zerof() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-static inline Floats mul(Floats x, Floats y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
-static inline Floats fma(Floats x, Floats y, Floats z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
-static inline Floats halves16(const uint8_t* p) {
-  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
-          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))};
-}
-static inline Floats ubytes16(const uint8_t* p) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)))};
-}
-static inline Floats sbytes16(const uint8_t* p) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)))};
-}
-static inline void store(Floats x, float* p) { _mm256_storeu_ps(p, x.a); _mm256_storeu_ps(p + 8, x.b); }
-static inline Floats loadf(const float* p) { return {_mm256_load_ps(p), _mm256_load_ps(p + 8)}; }
-static inline void store_ints(Ints x, uint8_t* p) {
-  _mm256_store_si256(reinterpret_cast<__m256i*>(p), x.a);
-  _mm256_store_si256(reinterpret_cast<__m256i*>(p + 32), x.b);
-}
 #endif
 
 // The step's rows of x rounded to 8 bits per group of 32, with what the kernel needs per group.
