@@ -264,19 +264,8 @@ struct GroupSums {
   }
 };
 
-// Rows r0..r0 + R of x against a panel's groups made ready (`groups`), added to acc: a step of
-// many rows unpacks each panel once for all its row tiles.
-template <int T, int R>
-static inline void rows_ready(const Activations& a, int64_t r0, const Group* groups, Floats* acc) {
-  for (int64_t g = 0; g < a.G; ++g, ++groups) {
-    GroupSums<T, R> sums(a, r0, g);
-    for (int j = 0; j < 4; ++j) sums.block(j, load(groups->u[2 * j]), load(groups->u[2 * j + 1]));
-    sums.end(loadf(groups->scale), loadf(groups->scale2), loadf(groups->minimum), acc);
-  }
-}
-
-// The same straight from the panel's bytes, in registers: a step of a few rows, whose weights
-// stream by once (storing each group's bytes and reading them back cost more than the products at
+// Rows r0..r0 + R of x against a panel, added to acc, straight from its bytes, in registers: a step
+// of a few rows, whose weights stream by once (storing each group's bytes and reading them back cost more than the products at
 // one row: a store of 64 bytes takes two cycles on Zen 4).
 template <int T, int R>
 static inline void rows_direct(const Activations& a, int64_t r0, const uint8_t* w, Floats* acc) {
@@ -293,22 +282,18 @@ static inline void rows_direct(const Activations& a, int64_t r0, const uint8_t* 
   });
 }
 
-// Rows r0..r0 + R of x against one panel, into out [R, 16] floats: from the panel's groups made
-// ready, or (null) straight from its bytes.
+// Rows r0..r0 + R of x against one panel, into out [R, 16] floats.
 template <int T, int R>
-static void panel_rows(const Activations& a, int64_t r0, const uint8_t* w, const Group* ready, float* out) {
+static void panel_rows(const Activations& a, int64_t r0, const uint8_t* w, float* out) {
   Floats acc[R];
   for (int r = 0; r < R; ++r) acc[r] = zerof();
-  if (ready)
-    rows_ready<T, R>(a, r0, ready, acc);
-  else
-    rows_direct<T, R>(a, r0, w, acc);
+  rows_direct<T, R>(a, r0, w, acc);
   for (int r = 0; r < R; ++r) store(acc[r], out + r * LANES);
 }
 
 template <int T, size_t... R>
 static constexpr auto row_tiles(std::index_sequence<R...>) {
-  return std::array<void (*)(const Activations&, int64_t, const uint8_t*, const Group*, float*), sizeof...(R)>{
+  return std::array<void (*)(const Activations&, int64_t, const uint8_t*, float*), sizeof...(R)>{
       panel_rows<T, static_cast<int>(R) + 1>...};
 }
 
@@ -359,7 +344,7 @@ static void linear(const X* x, int64_t rows, int64_t K, const uint8_t* w, X* y, 
       for (int64_t p = begin; p < end; ++p)
         for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
           const int64_t n = std::min<int64_t>(ROWS, rows - r0);
-          by_rows[n - 1](a, r0, w + p * panel_bytes, nullptr, out);
+          by_rows[n - 1](a, r0, w + p * panel_bytes, out);
           write(out, r0, n, p);
         }
     });
@@ -372,15 +357,15 @@ static void linear(const X* x, int64_t rows, int64_t K, const uint8_t* w, X* y, 
     ready.resize(2 * a.G);
     for (int64_t pair = begin; pair < end; ++pair) {
       const int64_t p = 2 * pair;
-      unpack<T>(w + p * panel_bytes, a.G, ready.data());
-      if (p + 1 == panels) {  // an odd panel out: alone, ROWS rows at a time
+      if (p + 1 == panels) {  // an odd panel out: alone, ROWS rows at a time, straight from its bytes
         for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
           const int64_t n = std::min<int64_t>(ROWS, rows - r0);
-          by_rows[n - 1](a, r0, nullptr, ready.data(), out[0]);
+          by_rows[n - 1](a, r0, w + p * panel_bytes, out[0]);
           write(out[0], r0, n, p);
         }
         continue;
       }
+      unpack<T>(w + p * panel_bytes, a.G, ready.data());
       unpack<T>(w + (p + 1) * panel_bytes, a.G, ready.data() + a.G);
       for (int64_t r0 = 0; r0 < rows; r0 += PAIR_ROWS) {
         const int64_t n = std::min<int64_t>(PAIR_ROWS, rows - r0);

@@ -140,8 +140,8 @@ class Decoder:
         # the file's blocks, a step's rows dequantized as it needs them (the same values as the
         # whole table's), or, where it is also the head and the head runs on the K-quant kernel, in
         # the head's panels (HeadRows, below); the others are a dense table, looked up by index.
-        self.embed_rows = embed.owned() if isinstance(embed, KQuant) and device.type == "cpu" else None
-        self.embed = None if self.embed_rows is not None else \
+        in_blocks = isinstance(embed, KQuant) and device.type == "cpu"
+        self.embed = None if in_blocks else \
             (embed.dequantize() if hasattr(embed, "dequantize") else embed).to(device=device, dtype=dtype)
         scale = self.embedding_scale(config)  # rounded to the model's dtype first, as transformers does
         self.embed_scale = None if scale is None else torch.tensor(scale, dtype=dtype, device=device)
@@ -161,8 +161,8 @@ class Decoder:
         head = quantize_q4_1(dense_float(head)) if int4_head else head
         self.head = Linear(head, None, dtype, device, EVERY_STEP if int4_head else int4_rows, kernel, small=small,
                            dense=self.embed if tied else None)
-        if tied and self.embed_rows is not None and self.head.small in KQUANT_PATHS:
-            self.embed_rows = HeadRows(self.head)  # the head's panels are the table: no second copy
+        self.embed_rows = None if not in_blocks else \
+            HeadRows(self.head) if tied and self.head.small in KQUANT_PATHS else embed.owned()
 
         # Positions the tables cover: the context, or for longrope the original one, where its short
         # factors apply (past it transformers switches every position to the long ones).
