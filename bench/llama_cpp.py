@@ -8,7 +8,9 @@ Nothing is downloaded but PyPI (project rule), so:
   llama-cpp-python 0.3.36 source distribution that tests/gguf_files.py converts with, once per
   machine into ~/.cache/storyteller/llama-cpp-native-<hash of the CPU's flags and the version>/
   (about 7 minutes on 2 cores; the CPU's flags are in the key because a native build may use
-  instructions another CPU lacks);
+  instructions another CPU lacks). Where the CPU lists AMX, a probe runs the build's products
+  once; if they die there (a VM that keeps AMX from its guests), a second build without AMX
+  (`-noamx`) is what the benchmarks run;
 - the model files are random models of the real models' shapes (a random model runs exactly as
   fast as a trained one of its shape), converted and quantized by llama.cpp's own converter and
   quantizer (tests/gguf_files.py's functions), plus the packaged SmolLM2-135M requantized;
@@ -36,38 +38,73 @@ CACHE = Path("~/.cache/storyteller").expanduser()
 TARGETS = ("llama-server", "llama-perplexity")
 
 
-def build_dir() -> Path:
+# A CPU that lists AMX may still not run it: in a virtual machine whose host keeps the tiles'
+# state from its guests, ggml's AMX products die on their first instruction (SIGILL, or SIGSEGV
+# in ggml_backend_amx_mul_mat; seen on a 2-core Xeon VM). A native build is then made again with
+# AMX switched off (gcc: an -mno- flag holds against -march=native), the rest of the CPU kept.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def build_dir(amx: bool = True) -> Path:
     """Where this CPU's native build lives: a new CPU (or sdist version) gets a build of its own."""
     key = hashlib.sha256(f"{cpu_flags()}\0{gguf_files.CONVERTER_VERSION}".encode()).hexdigest()[:12]
-    return CACHE / f"llama-cpp-native-{key}"
+    return CACHE / f"llama-cpp-native-{key}{'' if amx else '-noamx'}"
 
 
 def _binary(name: str) -> Path:
-    return build_dir() / "build" / "bin" / name
+    return _usable_build() / "build" / "bin" / name
 
 
-def build() -> Path:
-    """llama-server and llama-perplexity built native, once per machine; the build's directory.
+def _usable_build() -> Path:
+    """The native build, or, where its AMX products cannot run here, the build without them."""
+    native = build()
+    if "amx_int8" not in cpu_flags().split() or (native / "amx-runs").is_file():
+        return native
+    if (native / "amx-fails").is_file() or not _amx_runs(native):
+        return build(amx=False)
+    return native
+
+
+def _amx_runs(root: Path) -> bool:
+    """Whether the build's products run on a prompt big enough for ggml's AMX path (128 tokens of
+    the packaged SmolLM2 in Q4_K_M through llama-perplexity); the answer is kept in the build."""
+    text = root / "amx-probe.txt"
+    text.write_text(" ".join(["the quick brown fox jumps over the lazy dog"] * 40))
+    command = [str(root / "build" / "bin" / "llama-perplexity"), "-m", str(gguf_files.smollm2_gguf("Q4_K_M")),
+               "-f", str(text), "-c", "128", "--chunks", "1", "-t", "2"]
+    code = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
+    runs = code >= 0  # killed by a signal: the products cannot run here
+    (root / ("amx-runs" if runs else "amx-fails")).write_text(f"{' '.join(command)}\nexit {code}\n")
+    if not runs:
+        print(f"llama.cpp's AMX products die here (signal {-code}): building it again without AMX", flush=True)
+    return runs
+
+
+def build(amx: bool = True) -> Path:
+    """llama-server and llama-perplexity built native (without AMX if `amx` is false), once per
+    machine; the build's directory.
 
     The sources are unpacked inside the build's own directory (not tests/gguf_files.py's portable
     source tree), so that a native and a portable build never share a CMake cache. "complete" is
     written last: a build cut short is taken up again by the next call (cmake is incremental)."""
-    root = build_dir()
-    if (root / "complete").is_file() and all(os.access(_binary(t), os.X_OK) for t in TARGETS):
+    root = build_dir(amx)
+    if (root / "complete").is_file() and all(os.access(root / "build" / "bin" / t, os.X_OK) for t in TARGETS):
         return root
     root.mkdir(parents=True, exist_ok=True)
     source = root / "source"
     if not (source / "CMakeLists.txt").is_file():
         gguf_files.CACHE.mkdir(parents=True, exist_ok=True)
         gguf_files._unpack(source, ("",))
-    print(f"building llama.cpp {' and '.join(TARGETS)} native from llama-cpp-python "
-          f"{gguf_files.CONVERTER_VERSION} into {root} (once per machine, ~7 min on 2 cores)...", flush=True)
+    print(f"building llama.cpp {' and '.join(TARGETS)} native{'' if amx else ' without AMX'} from "
+          f"llama-cpp-python {gguf_files.CONVERTER_VERSION} into {root} (once per machine, ~7 min on 2 cores)...",
+          flush=True)
     started = time.monotonic()
     log = root / "build.log"
+    flags = [] if amx else [f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
     with open(log, "w") as out:
         for command in (
             ["cmake", "-S", str(source), "-B", str(root / "build"), "-DCMAKE_BUILD_TYPE=Release",
-             "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF"],
+             "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", *flags],
             # -j2: the machines this runs on have 2 cores, shared with whatever else they build
             ["cmake", "--build", str(root / "build"), "--target", *TARGETS, "-j", "2"],
         ):
@@ -79,12 +116,10 @@ def build() -> Path:
 
 
 def llama_server() -> Path:
-    build()
     return _binary("llama-server")
 
 
 def llama_perplexity() -> Path:
-    build()
     return _binary("llama-perplexity")
 
 
