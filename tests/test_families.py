@@ -26,7 +26,6 @@ from tests.tiny_models import FAMILIES, family_config, save_family
 from worker.continuous import engine as continuous
 from worker.continuous import models
 from worker.continuous.attention import KVCache
-from worker.continuous.models import decoder
 from worker.model_loader import load
 
 # Blocks of 4 tokens and chunks of 8 (12 tokens a step): the prompts span many blocks and split.
@@ -181,46 +180,6 @@ def test_the_log_says_how_sliding_windows_run(loaded_family, caplog):
     assert "5 of 6 layers are sliding-window layers: they attend to their last 16 tokens; their blocks are " \
            "kept for the global layers" in text
     assert "every layer attends to its last 24 tokens (sliding window); blocks outside the window are kept" in text
-
-
-def rotary_classes():
-    """transformers' rotary class of each family (the engine makes its tables without them)."""
-    from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-    from transformers.models.mistral.modeling_mistral import MistralRotaryEmbedding
-    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
-    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
-    return dict(llama=LlamaRotaryEmbedding, mistral=MistralRotaryEmbedding, qwen2=Qwen2RotaryEmbedding,
-                qwen3=Qwen3RotaryEmbedding, gemma3=Gemma3RotaryEmbedding, phi3=Phi3RotaryEmbedding)
-
-
-ROPES = {"linear": dict(factor=4.0), "yarn": dict(factor=4.0, original_max_position_embeddings=64),
-         "llama3": dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64)}
-
-
-@pytest.mark.parametrize("rope", ["family's own", *ROPES])
-@pytest.mark.parametrize("kind", FAMILIES)
-def test_rope_tables_have_the_bits_of_transformers_rotary_classes(kind, rope):
-    """decoder.rope_table makes each family's (cos, sin) as its class in transformers does, to the
-    bit, in float32 and bfloat16, for every kind of layer; also with other rope types put in."""
-    config = family_config(kind, 512, 0, 0)
-    if rope in ROPES:
-        if kind == "gemma3":
-            config.rope_parameters = {t: dict(config.rope_parameters[t], rope_type=rope, **ROPES[rope])
-                                      for t in config.rope_parameters}
-        else:
-            config.rope_parameters = dict(config.rope_parameters, rope_type=rope, **ROPES[rope])
-    partial = models.FAMILIES[config.model_type].partial_rotary
-    rotary = rotary_classes()[kind](config)
-    positions = torch.arange(200)
-    for layer_type in sorted(set(getattr(config, "layer_types", None) or [None]), key=str):
-        for dtype in (torch.float32, torch.bfloat16):
-            x = torch.zeros((), dtype=dtype)
-            want = rotary(x, positions[None], layer_type) if kind == "gemma3" else rotary(x, positions[None])
-            got = decoder.rope_table(config, layer_type, positions, dtype, partial)
-            for w, g in zip(want, got):
-                assert g.dtype == dtype and torch.equal(w[0], g), (layer_type, dtype)
 
 
 def test_longrope_caps_the_context_where_the_short_factors_apply(tmp_path, smollm2_tokenizer, caplog):

@@ -10,12 +10,9 @@ of its output, the residual; then norm, gate_up, activation, down, an optional n
 Norms are kept as the multipliers they apply (Gemma's x * (1 + w) as 1 + w), so one RMS norm does
 for every family, here and in the C++ decoder.
 
-Rotary angles are tables built once from transformers' own rope functions and as its rotary classes
-build them, so every rope variant it knows (default, linear, llama3, yarn, longrope's short
-factors…) is right here too; a family whose layers differ (Gemma 3's local and global ones) has a
-table per kind of layer. The classes themselves live in the families' modelling modules, whose
-imports (torch._dynamo, sympy, accelerate, hub kernels) cost a worker ~100 MiB, and so do
-transformers' activations: this module imports neither.
+Rotary angles are tables built once with the family's own transformers class, so every rope
+variant it knows (default, linear, llama3, yarn, longrope's short factors…) is right here too;
+a family whose layers differ (Gemma 3's local and global ones) has a table per kind of layer.
 
 With the C++ kernels, the whole step runs row by row in the C++ decoder (kernels.cpp), every token
 a row whatever its step holds: the same bits for a request alone or in a crowd (docs/serving.md).
@@ -27,7 +24,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.activations import ACT2FN
 
 from worker.continuous import attention
 from worker.continuous.attention import KVCache, StepLayout
@@ -36,12 +33,7 @@ from worker.continuous.linear import EVERY_STEP, KQUANT_PATHS, Linear
 from worker.continuous.kquants import KQuant
 from worker.continuous.weights import dense_float, fuse, quantize_q4_1
 
-# transformers' activation names of the functions a family's MLP may use (gelu_new, GPT-2's, is the
-# tanh form written out; torch's tanh form is the same function)
-ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "relu": F.relu, "gelu": F.gelu,
-               "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-               "gelu_new": lambda x: F.gelu(x, approximate="tanh")}
-# and as the C++ decoder calls the same functions (both GELUs are the tanh form)
+# transformers' activation names, as the C++ decoder calls the same function (both GELUs are the tanh form)
 KERNEL_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -58,27 +50,8 @@ def rope_type(params: dict) -> str:
     return params.get("rope_type", params.get("type", "default"))
 
 
-def rope_table(config, layer_type: Optional[str], positions: torch.Tensor, dtype, partial: bool = False):
-    """(cos, sin) [positions, rotary_dim] of one kind of layer, as the family's rotary class in
-    transformers makes them (tests/test_families.py holds them to its bits). `partial`: whether the
-    default rope turns only partial_rotary_factor of each head (Phi-3's class does, Llama's not)."""
-    params = rope_parameters(config, layer_type)
-    kind = rope_type(params)
-    if kind == "default":
-        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        dim = int(dim * params.get("partial_rotary_factor", 1.0)) if partial else dim
-        inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-        scaling = 1.0
-    else:  # no sequence length given: longrope's short factors (Decoder caps the context to them)
-        keyed = layer_type if params is not rope_parameters(config) else None  # parameters per kind (Gemma 3)
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[kind](config, None, layer_type=keyed)
-    freqs = positions[..., None].float() * inv_freq.float()
-    angles = torch.cat((freqs, freqs), dim=-1)
-    return (angles.cos() * scaling).to(dtype), (angles.sin() * scaling).to(dtype)
-
-
 class Decoder:
-    partial_rotary = False  # whether the default rope turns only partial_rotary_factor of a head
+    rotary = None  # the family's rotary embedding class in transformers: it makes the tables
     norm_offset = 0.0  # added to every norm's weight: Gemma's norms multiply by 1 + w
 
     @classmethod
@@ -99,7 +72,7 @@ class Decoder:
             return "biases on the attention's or the MLP's products"
         if getattr(config, "use_bidirectional_attention", False):
             return "bidirectional attention"
-        if cls.activation(config) not in ACTIVATIONS:
+        if cls.activation(config) not in ACT2FN:
             return f"activation {cls.activation(config)!r}"
         return None
 
@@ -132,6 +105,11 @@ class Decoder:
             return 0
         return getattr(config, "sliding_window", None) or 0
 
+    def rope_table(self, config, layer_type: Optional[str], positions: torch.Tensor, dtype):
+        """(cos, sin) [positions, rotary_dim] of one kind of layer."""
+        cos, sin = self.rotary(config)(torch.zeros((), dtype=dtype), positions[None])
+        return cos[0], sin[0]
+
     # --- the shared part ---
 
     def __init__(self, config, tensors: dict, dtype, device, products: EngineConfig, kernel=None):
@@ -145,7 +123,7 @@ class Decoder:
         self.layers = config.num_hidden_layers
         self.eps = config.rms_norm_eps
         self.act_name = self.activation(config)
-        self.act = ACTIVATIONS[self.act_name]
+        self.act = ACT2FN[self.act_name]
         self.scale = self.attention_scale(config)
         self.notes: list[str] = []  # what the engine logs at start about how this model runs
 
@@ -199,7 +177,7 @@ class Decoder:
                                       f"({original} of {self.context} tokens), where its short factors always apply")
                     self.context = original
         positions = torch.arange(self.context)
-        tables = {t: rope_table(config, t, positions, dtype, self.partial_rotary) for t in sorted(set(types), key=str)}
+        tables = {t: self.rope_table(config, t, positions, dtype) for t in sorted(set(types), key=str)}
         tables = {t: (cos.to(device).contiguous(), sin.to(device).contiguous()) for t, (cos, sin) in tables.items()}
         self.tables = [tables[t] for t in types]  # each layer's (cos, sin), shared by the layers of a kind
         self.rotary_dim = self.tables[0][0].shape[-1]

@@ -6,12 +6,12 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from transformers.activations import ACT2FN
 
 from worker.continuous import attention
 from worker.continuous.attention import KVCache, StepLayout
 from worker.continuous.config import EngineConfig
 from worker.continuous.linear import EVERY_STEP, Linear
-from worker.continuous.models.decoder import ACTIVATIONS
 from worker.continuous.weights import dense_float, quantize_q4_1
 
 
@@ -22,8 +22,6 @@ class GPT2:
             return "attention scaled by layer index / reordered"
         if not config.scale_attn_weights:
             return "unscaled attention weights"
-        if config.activation_function not in ACTIVATIONS:
-            return f"activation {config.activation_function!r}"
         return None
 
     def __init__(self, config, tensors: dict, dtype, device, products: EngineConfig, kernel=None):
@@ -34,7 +32,7 @@ class GPT2:
         self.head_dim = config.n_embd // config.n_head
         self.layers = config.n_layer
         self.eps = config.layer_norm_epsilon
-        self.act = ACTIVATIONS[config.activation_function]
+        self.act = ACT2FN[config.activation_function]
         self.scale = 1 / math.sqrt(self.head_dim)
 
         def tensor(name):
