@@ -48,6 +48,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 
 namespace storyteller {
@@ -218,14 +219,19 @@ static void unpack(const uint8_t* w, int64_t G, Group* out) {
 // R rows' integer sums over one group, then into acc: begin (the zero points' start), a block
 // at a time (its two vectors' bytes lo, hi), end (the scales). Whether the bytes and scales come
 // from a Group made ready or straight from the panel, each row meets the same integers and the
-// same float operations in the same order: the same bits.
+// same float operations in the same order: the same bits. A sum takes 8 products a group (Q6_K:
+// two sums of 4, one per half): block j's are products 2 j (lo) and 2 j + 1 (hi) (Q6_K: j of
+// each), added as lanes.h's add_product does on each instruction set, exact integers either way.
 template <int T, int R>
 struct GroupSums {
   using F = Format<T>;
+  static constexpr int LARGEST = (1 << F::bits) - 1;  // of the bytes u
+  static constexpr int LAST = F::halves ? 3 : 7;  // the last product of a sum
   const Activations& a;
   int64_t at;  // rows r0.. of group g: (r0 * G + g)
   const int8_t* x;
   Ints lo_sum[R], hi_sum[R];
+  Pending lo_run[R], hi_run[R];
 
   GroupSums(const Activations& a_, int64_t r0, int64_t g) : a(a_), at(r0 * a_.G + g), x(a_.q.data() + r0 * a_.K + g * GROUP) {
     for (int r = 0; r < R; ++r) {
@@ -234,24 +240,31 @@ struct GroupSums {
       hi_sum[r] = splat(F::halves ? -F::zero * s[1] : 0);
     }
   }
-  inline void block(int j, Ints lo, Ints hi) {
+  template <int N>
+  static inline void add(Ints& sum, Pending& run, Ints u, Ints x4) { add_product<LARGEST, N, LAST>(sum, run, u, x4); }
+  template <int J>
+  inline void block(Ints lo, Ints hi) {
     for (int r = 0; r < R; ++r) {
-      lo_sum[r] = dot4(lo_sum[r], lo, broadcast4(x + r * a.K + 4 * j));
-      Ints& to = F::halves ? hi_sum[r] : lo_sum[r];
-      to = dot4(to, hi, broadcast4(x + r * a.K + 16 + 4 * j));
+      add<F::halves ? J : 2 * J>(lo_sum[r], lo_run[r], lo, broadcast4(x + r * a.K + 4 * J));
+      if constexpr (F::halves) add<J>(hi_sum[r], hi_run[r], hi, broadcast4(x + r * a.K + 16 + 4 * J));
+      else add<2 * J + 1>(lo_sum[r], lo_run[r], hi, broadcast4(x + r * a.K + 16 + 4 * J));
     }
   }
   // The same for this panel's block (lo, hi) and the next panel's (its sums: `next`), each
   // broadcast of x serving both.
-  inline void pair_block(int j, Ints lo, Ints hi, GroupSums& next, Ints next_lo, Ints next_hi) {
+  template <int J>
+  inline void pair_block(Ints lo, Ints hi, GroupSums& next, Ints next_lo, Ints next_hi) {
     for (int r = 0; r < R; ++r) {
-      const Ints x_lo = broadcast4(x + r * a.K + 4 * j), x_hi = broadcast4(x + r * a.K + 16 + 4 * j);
-      lo_sum[r] = dot4(lo_sum[r], lo, x_lo);
-      next.lo_sum[r] = dot4(next.lo_sum[r], next_lo, x_lo);
-      Ints& to = F::halves ? hi_sum[r] : lo_sum[r];
-      to = dot4(to, hi, x_hi);
-      Ints& next_to = F::halves ? next.hi_sum[r] : next.lo_sum[r];
-      next_to = dot4(next_to, next_hi, x_hi);
+      const Ints x_lo = broadcast4(x + r * a.K + 4 * J), x_hi = broadcast4(x + r * a.K + 16 + 4 * J);
+      add<F::halves ? J : 2 * J>(lo_sum[r], lo_run[r], lo, x_lo);
+      add<F::halves ? J : 2 * J>(next.lo_sum[r], next.lo_run[r], next_lo, x_lo);
+      if constexpr (F::halves) {
+        add<J>(hi_sum[r], hi_run[r], hi, x_hi);
+        add<J>(next.hi_sum[r], next.hi_run[r], next_hi, x_hi);
+      } else {
+        add<2 * J + 1>(lo_sum[r], lo_run[r], hi, x_hi);
+        add<2 * J + 1>(next.lo_sum[r], next.lo_run[r], next_hi, x_hi);
+      }
     }
   }
   inline void end(Floats scale, Floats scale2, Floats minimum, Floats* acc) const {
@@ -272,10 +285,10 @@ static inline void rows_direct(const Activations& a, int64_t r0, const uint8_t* 
   each_group<T>(w, a.G, [&](int64_t g, const uint8_t* group, Floats d, Floats dmin) {
     GroupSums<T, R> sums(a, r0, g);
     Ints lo, hi;
-    block_u<T, 0>(group, lo, hi), sums.block(0, lo, hi);
-    block_u<T, 1>(group, lo, hi), sums.block(1, lo, hi);
-    block_u<T, 2>(group, lo, hi), sums.block(2, lo, hi);
-    block_u<T, 3>(group, lo, hi), sums.block(3, lo, hi);
+    block_u<T, 0>(group, lo, hi), sums.template block<0>(lo, hi);
+    block_u<T, 1>(group, lo, hi), sums.template block<1>(lo, hi);
+    block_u<T, 2>(group, lo, hi), sums.template block<2>(lo, hi);
+    block_u<T, 3>(group, lo, hi), sums.template block<3>(lo, hi);
     Floats scale, scale2, minimum;
     group_scales<T>(group, d, dmin, scale, scale2, minimum);
     sums.end(scale, scale2, minimum, acc);
@@ -307,9 +320,12 @@ static void pair_rows(const Activations& a, int64_t r0, const Group* groups, con
   for (int r = 0; r < R; ++r) acc[r] = next_acc[r] = zerof();
   for (int64_t g = 0; g < a.G; ++g, ++groups, ++next) {
     GroupSums<T, R> sums(a, r0, g), next_sums(sums);
-    for (int j = 0; j < 4; ++j)
-      sums.pair_block(j, load(groups->u[2 * j]), load(groups->u[2 * j + 1]), next_sums, load(next->u[2 * j]),
-                      load(next->u[2 * j + 1]));
+    auto block = [&](auto j) {  // j: a block's index as a type (std::integral_constant), for pair_block<j>
+      sums.template pair_block<j>(load(groups->u[2 * j]), load(groups->u[2 * j + 1]), next_sums,
+                                  load(next->u[2 * j]), load(next->u[2 * j + 1]));
+    };
+    block(std::integral_constant<int, 0>()), block(std::integral_constant<int, 1>());
+    block(std::integral_constant<int, 2>()), block(std::integral_constant<int, 3>());
     sums.end(loadf(groups->scale), loadf(groups->scale2), loadf(groups->minimum), acc);
     next_sums.end(loadf(next->scale), loadf(next->scale2), loadf(next->minimum), next_acc);
   }

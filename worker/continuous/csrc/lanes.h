@@ -35,8 +35,7 @@ static inline Ints shift(Ints a) {
   else if constexpr (N < 0) return {_mm512_srli_epi16(a.v, -N)};
   else return a;
 }
-// The four (signed) bytes at x in every int32 lane, and acc + the sums of four products of u's bytes
-// (unsigned) with them, per lane. (Broadcast through a general register: a float broadcast
+// The four (signed) bytes at x in every int32 lane. (Broadcast through a general register: a float broadcast
 // straight from memory, which the compiler folds into the load port, measured 1.2x slower at 64
 // rows.)
 static inline Ints broadcast4(const int8_t* x) {
@@ -44,7 +43,12 @@ static inline Ints broadcast4(const int8_t* x) {
   std::memcpy(&four, x, sizeof(four));
   return {_mm512_set1_epi32(four)};
 }
-static inline Ints dot4(Ints acc, Ints u, Ints x4) { return {_mm512_dpbusd_epi32(acc.v, u.v, x4.v)}; }
+// Product N (of 0..LAST) of an integer sum: sum + the sums of four products of u's bytes (unsigned,
+// at most LARGEST) with x4's (signed), per int32 lane. vpdpbusd adds each at once; the run it
+// would be pending in on AVX2 (see there) is empty here.
+struct Pending {};
+template <int LARGEST, int N, int LAST>
+static inline void add_product(Ints& sum, Pending&, Ints u, Ints x4) { sum = {_mm512_dpbusd_epi32(sum.v, u.v, x4.v)}; }
 static inline Floats to_floats(Ints a) { return {_mm512_cvtepi32_ps(a.v)}; }
 static inline Floats splatf(float v) { return {_mm512_set1_ps(v)}; }
 static inline Floats zerof() { return {_mm512_setzero_ps()}; }
@@ -78,16 +82,31 @@ static inline Ints shift(Ints x) {
   else if constexpr (N < 0) return {_mm256_srli_epi16(x.a, -N), _mm256_srli_epi16(x.b, -N)};
   else return x;
 }
-static inline __m256i dot4_half(__m256i acc, __m256i u, __m256i x) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
-}
 static inline Ints broadcast4(const int8_t* x) {
   int32_t four;
   std::memcpy(&four, x, sizeof(four));
   const __m256i v = _mm256_set1_epi32(four);
   return {v, v};
 }
-static inline Ints dot4(Ints acc, Ints u, Ints x4) { return {dot4_half(acc.a, u.a, x4.a), dot4_half(acc.b, u.b, x4.b)}; }
+// Product N (of 0..LAST) of an integer sum: sum + the sums of four products of u's bytes (unsigned,
+// at most LARGEST) with x4's (signed), per int32 lane. vpmaddubsw's products come as int16 sums of
+// two, which vpmaddwd widens to int32; a run of products is added in int16 first (vpaddw) and
+// widened once: as many as cannot overflow int16 (|x| <= 127), so the sums stay exact. For 4-bit
+// weights that is one vpmaddwd per 8 vpmaddubsw instead of one each, both on the vector
+// multipliers, where vpaddw has more units to run on.
+struct Pending { __m256i a, b; };
+template <int LARGEST, int N, int LAST>
+static inline void add_product(Ints& sum, Pending& run, Ints u, Ints x4) {
+  constexpr int RUN = 32767 / (2 * LARGEST * 127);
+  static_assert(RUN >= 1, "a pair of products must fit int16");
+  const __m256i a = _mm256_maddubs_epi16(u.a, x4.a), b = _mm256_maddubs_epi16(u.b, x4.b);
+  if constexpr (N % RUN == 0) run = {a, b};
+  else run = {_mm256_add_epi16(run.a, a), _mm256_add_epi16(run.b, b)};
+  if constexpr (N % RUN == RUN - 1 || N == LAST) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    sum = {_mm256_add_epi32(sum.a, _mm256_madd_epi16(run.a, ones)), _mm256_add_epi32(sum.b, _mm256_madd_epi16(run.b, ones))};
+  }
+}
 static inline Floats to_floats(Ints x) { return {_mm256_cvtepi32_ps(x.a), _mm256_cvtepi32_ps(x.b)}; }
 static inline Floats splatf(float v) { const __m256 s = _mm256_set1_ps(v); return {s, s}; }
 static inline Floats zerof() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
