@@ -20,6 +20,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "rowwise.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define STORYTELLER_INT8 1
 #define STORYTELLER_INT8_VNNI 1
@@ -260,7 +262,7 @@ static void linear(const T* x, int64_t rows, int64_t K, const uint8_t* w, T* y, 
   const int64_t G = K / GROUP;
   // Threads split the output features, so each weight is read once a step; within a thread a tile
   // of features meets every row of x before the next tile is loaded.
-  at::parallel_for(0, N, TILE, [&](int64_t begin, int64_t end) {
+  in_pieces(0, N, TILE, [&](int64_t begin, int64_t end) {
     for (int64_t n0 = begin; n0 < end; n0 += TILE) {
       const int64_t n1 = std::min(end, n0 + TILE);
       for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {

@@ -355,7 +355,7 @@ static void linear(const X* x, int64_t rows, int64_t K, const uint8_t* w, X* y, 
   };
   if (rows <= ROWS) {
     const int64_t grain = std::max<int64_t>(1, MIN_WORK / (LANES * K * rows));
-    at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+    in_pieces(0, panels, grain, [&](int64_t begin, int64_t end) {
       alignas(64) float out[ROWS * LANES];
       for (int64_t p = begin; p < end; ++p)
         for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
@@ -367,7 +367,7 @@ static void linear(const X* x, int64_t rows, int64_t K, const uint8_t* w, X* y, 
     return;
   }
   const int64_t grain = std::max<int64_t>(1, MIN_WORK / (2 * LANES * K * rows));
-  at::parallel_for(0, (panels + 1) / 2, grain, [&](int64_t begin, int64_t end) {
+  in_pieces(0, (panels + 1) / 2, grain, [&](int64_t begin, int64_t end) {
     alignas(64) float out[2][ROWS * LANES];  // ROWS >= PAIR_ROWS: the odd panel's tiles fit too
     thread_local aligned_vector<Group> ready;
     ready.resize(2 * a.G);

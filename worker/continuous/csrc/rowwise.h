@@ -6,6 +6,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <new>
 #include <vector>
@@ -42,6 +43,27 @@ struct Aligned {
 template <typename T>
 using aligned_vector = std::vector<T, Aligned<T>>;
 
+// Indices [begin, end) split among the threads in pieces that each takes, one at a time, when it is
+// free: on a small machine the API, Redis and the clients share the worker's cores, and a thread
+// the system preempts then holds up only its piece, not a fixed half of the step (with a split
+// fixed in advance, every step lasts as long as its slowest thread). Each index still runs on one
+// thread, with the same code whichever it is, so no bits change. A thread gets `grain` indices at
+// least, as with at::parallel_for (a parallel region costs ~10 us), and a piece a multiple of it.
+constexpr int64_t PIECES_PER_THREAD = 8;
+template <typename F>
+static void in_pieces(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  const int64_t n = end - begin;
+  if (n <= 0) return;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (n + grain - 1) / grain);
+  if (threads <= 1 || at::in_parallel_region()) return f(begin, end);
+  const int64_t per = threads * PIECES_PER_THREAD * grain, piece = grain * ((n + per - 1) / per);
+  const int64_t pieces = (n + piece - 1) / piece;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t i = next++; i < pieces; i = next++) f(begin + i * piece, std::min(end, begin + (i + 1) * piece));
+  });
+}
+
 #ifdef __AVX512F__
 // 16 products stored in the output's type. bf16: rounded to nearest, ties to even, as c10::BFloat16
 // rounds (in integers, so that CPUs without AVX512_BF16's vcvtneps2bf16 give the same bits; a
@@ -66,7 +88,7 @@ constexpr int64_t PANEL_MIN_WORK = 1 << 19;  // multiply-adds per thread's share
 template <typename T, typename Tile>
 static void over_panels(int64_t rows, int64_t K, int64_t N, T* y, const Tile& tile) {
   const int64_t grain = std::max<int64_t>(1, PANEL_MIN_WORK / (PANEL * K * rows));
-  at::parallel_for(0, N / PANEL, grain, [&](int64_t begin, int64_t end) {
+  in_pieces(0, N / PANEL, grain, [&](int64_t begin, int64_t end) {
     alignas(64) float out[PANEL_ROWS * PANEL];
     for (int64_t p = begin; p < end; ++p)
       for (int64_t r0 = 0; r0 < rows; r0 += PANEL_ROWS) {
