@@ -71,7 +71,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
 #endif
 #ifdef STORYTELLER_DENSE_PANELS
-  m.def("dense_panel_linear", &dense_panel_linear, "x @ w.T for a dense weight in panels, summed over k in order (AVX-512)",
+  m.def("dense_panel_linear", &dense_panel_linear, "x @ w.T for a dense weight in panels, summed over k in order (AVX-512 or AVX2)",
         py::call_guard<py::gil_scoped_release>());
   m.def("dense_panel_dtypes", &dense_panel_dtypes, "the dtypes dense_panel_linear takes on this CPU");
 #endif

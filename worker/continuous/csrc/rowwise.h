@@ -75,6 +75,16 @@ static inline void store16(__m512 v, c10::BFloat16* to) {
   const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(to), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
 }
+#endif
+// 16 products from `from` stored in the output's type (bf16: c10's rounding, the same bits as above).
+template <typename T>
+static inline void store16(const float* from, T* to) {
+#ifdef __AVX512F__
+  store16(_mm512_loadu_ps(from), to);
+#else
+  for (int i = 0; i < 16; ++i) to[i] = static_cast<T>(from[i]);
+#endif
+}
 
 // The panel kernels' product (panels.h, dense_panels.h): y [rows, N] = x [rows, K] times a weight
 // laid out in panels of PANEL output features. Threads split the panels, so each output is made
@@ -94,10 +104,9 @@ static void over_panels(int64_t rows, int64_t K, int64_t N, T* y, const Tile& ti
       for (int64_t r0 = 0; r0 < rows; r0 += PANEL_ROWS) {
         const int64_t n = std::min(PANEL_ROWS, rows - r0);
         tile(p, r0, n, out);
-        for (int64_t r = 0; r < n; ++r) store16(_mm512_load_ps(out + r * PANEL), y + (r0 + r) * N + p * PANEL);
+        for (int64_t r = 0; r < n; ++r) store16(out + r * PANEL, y + (r0 + r) * N + p * PANEL);
       }
   });
 }
-#endif
 
 }  // namespace storyteller
