@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -30,12 +31,23 @@ from worker.continuous import engine as continuous
 from worker.model_loader import load
 
 
-def filled_engine(loaded, settings: Settings, batch: int, context: int):
-    engine = continuous.build(loaded, settings, loaded.weights(), loaded.config)
+# Steps an engine takes after it is filled and timed: the profiled ones.
+PROFILED_STEPS = 3
+
+
+def filled_engine(loaded, settings: Settings, batch: int, context: int, steps: int):
+    """An engine whose `batch` requests all hold `context` tokens, with a KV cache that keeps all of
+    them running for `steps` more (and the profiled ones): a cache sized by --kv-memory alone holds
+    fewer of a large model's requests (in float32 half as many as in bf16), and a step would then
+    compute fewer rows than it is said to."""
     prompt = loaded.tokenizer.encode("Write a short story about a dragon, a gate and a skeleton.\n")
+    max_tokens = context + steps + PROFILED_STEPS + 2  # none finishes before the profile does
+    tokens = len(prompt) + 1 + max_tokens
+    blocks = batch * -(-tokens // settings.block_size) + batch // 16 + 2  # and the 1% admission margin
+    engine = continuous.build(loaded, replace(settings, kv_blocks=blocks), loaded.weights(), loaded.config)
     for i in range(batch):
         engine.add(Job(id=f"p{i}", model="m", prompt_ids=[*prompt, i % 1000 + 100],
-                       params=SamplingParams(max_tokens=context + 1000, temperature=0, ignore_eos=True),
+                       params=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
                        timeout_s=3600))
     while min((r.computed for r in engine.scheduler.running), default=0) < context:
         engine.step()
@@ -43,7 +55,7 @@ def filled_engine(loaded, settings: Settings, batch: int, context: int):
 
 
 def profile_batch(loaded, settings: Settings, batch: int, steps: int, context: int) -> dict:
-    engine = filled_engine(loaded, settings, batch, context)
+    engine = filled_engine(loaded, settings, batch, context, steps)
     parts = part_calls(engine, batch)
     for call in parts.values():
         call()  # warm: the first call allocates
@@ -53,12 +65,14 @@ def profile_batch(loaded, settings: Settings, batch: int, steps: int, context: i
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
+        if engine.last_batch != batch:
+            raise RuntimeError(f"a timed step computed {engine.last_batch} rows, not {batch}")
         for name, call in parts.items():
             start = time.perf_counter()
             call()
             part_times[name].append(time.perf_counter() - start)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(3):
+        for _ in range(PROFILED_STEPS):
             engine.step()
     total = sum(e.self_cpu_time_total for e in prof.key_averages())
     ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:16]
@@ -68,7 +82,8 @@ def profile_batch(loaded, settings: Settings, batch: int, steps: int, context: i
     return {"batch": batch, "step_ms": step_ms, "tokens_per_s": batch / step_ms * 1000, "numerics": engine.numerics,
             "parts": parts,
             "ops": [{"name": e.key, "share": e.self_cpu_time_total / total,
-                     "ms_per_step": e.self_cpu_time_total / 3000, "calls_per_step": e.count / 3}
+                     "ms_per_step": e.self_cpu_time_total / (1000 * PROFILED_STEPS),
+                     "calls_per_step": e.count / PROFILED_STEPS}
                     for e in ops]}
 
 
@@ -110,7 +125,7 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     loaded = load(args.model, dtype=args.dtype, transformers_model=False,
                   cache_dir=Settings.cache_dir)
-    settings = Settings(int4_rows=args.int4_rows, small_kernel=args.small_kernel, kv_memory=512)
+    settings = Settings(int4_rows=args.int4_rows, small_kernel=args.small_kernel)
     results = []
     for batch in args.batches:
         r = profile_batch(loaded, settings, batch, args.steps, args.context)

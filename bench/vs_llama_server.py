@@ -138,7 +138,8 @@ def run_llama(path: Path, args) -> dict:
 
 
 def run_storyteller(path: Path, args) -> dict:
-    with stack({"ENGINE": "continuous"}, str(path), LOGS, "vs-llama-storyteller") as running:
+    env = {"ENGINE": "continuous", **({"KV_MEMORY": str(args.kv_memory)} if args.kv_memory else {})}
+    with stack(env, str(path), LOGS, "vs-llama-storyteller") as running:
         run = crowds("storyteller", running.url, running.model, args, lambda: worker_rss_mb(running))
         run["worker"] = running.workers()[0] if running.workers() else None
         return run
@@ -180,6 +181,10 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=4, help="requests per player")
     ap.add_argument("--tokens", type=int, default=64, help="max_tokens per request (EOS ignored)")
     ap.add_argument("--only", choices=("both", "llama", "storyteller"), default="both")
+    ap.add_argument("--kv-memory", type=int, default=0,
+                    help="MiB of KV cache for Storyteller's worker (default: its own, 1 GiB). llama-server's "
+                         "cache holds every slot's tokens; where the engine computes in float32 (a CPU without "
+                         "native bf16) its cache is float32 too, and 1 GiB may hold fewer players' tokens")
     ap.add_argument("--out", help="writes <out>.json and <out>.png "
                                   "(default docs/results/vs-llama-server-<file stem>)")
     args = ap.parse_args(argv)
@@ -200,7 +205,7 @@ def main(argv=None) -> int:
                                "machine": {"cpu": cpu_name(),
                                            "llama_cpp": f"llama-cpp-python {llama_cpp.gguf_files.CONVERTER_VERSION}"
                                                         " vendored, GGML_NATIVE=ON, -t 2"},
-                               "rows": rows, "runs": runs})
+                               "storyteller_kv_memory_mib": args.kv_memory or None, "rows": rows, "runs": runs})
     plot_crowds(runs, out + ".png")
     print(f"wrote {out}.json and {out}.png")
     return 1 if any(r["errors"] for r in rows) else 0
