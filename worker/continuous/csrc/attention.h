@@ -14,7 +14,6 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 #include <utility>
 #include <cmath>
 #include <limits>
@@ -202,16 +201,13 @@ void decode(const T* q, int64_t q_stride, const T* k, const T* v, const int64_t*
   // Items taken one at a time by whichever thread is free (a prompt's tile costs many decodes):
   // which thread computes an item does not change its bits.
   const int64_t items = static_cast<int64_t>(tiles.size()) * kv_heads;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+  take_turns(items, std::min<int64_t>(items, at::get_num_threads()), [&](int64_t item) {
     thread_local DecodeBuffers buf;
-    for (int64_t item = next++; item < items; item = next++) {
-      const auto [row, n] = tiles[item / kv_heads];
-      const int64_t kv = item % kv_heads;
-      attend_tile<T, DIM>(q + row * q_stride + kv * group * dim, q_stride, k, v, tables + row * width, lengths + row,
-                          n, out + (row * heads + kv * group) * dim, heads * dim, group, kv, blocks, block_size,
-                          dim, scale, window, buf);
-    }
+    const auto [row, n] = tiles[item / kv_heads];
+    const int64_t kv = item % kv_heads;
+    attend_tile<T, DIM>(q + row * q_stride + kv * group * dim, q_stride, k, v, tables + row * width, lengths + row,
+                        n, out + (row * heads + kv * group) * dim, heads * dim, group, kv, blocks, block_size,
+                        dim, scale, window, buf);
   });
 }
 

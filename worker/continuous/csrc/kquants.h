@@ -350,8 +350,7 @@ static void linear(const X* x, int64_t rows, int64_t K, const uint8_t* w, X* y, 
   static constexpr auto by_rows = row_tiles<T>(std::make_index_sequence<ROWS>());
   static constexpr auto by_pair = pair_tiles<T>(std::make_index_sequence<PAIR_ROWS>());
   auto write = [&](const float* out, int64_t r0, int64_t n, int64_t p) {
-    for (int64_t r = 0; r < n; ++r)  // bf16: rounded to nearest, ties to even (c10's rounding)
-      for (int64_t f = 0; f < LANES; ++f) y[(r0 + r) * N + p * LANES + f] = static_cast<X>(out[r * LANES + f]);
+    for (int64_t r = 0; r < n; ++r) store16(out + r * LANES, y + (r0 + r) * N + p * LANES);  // rowwise.h
   };
   if (rows <= ROWS) {
     const int64_t grain = std::max<int64_t>(1, MIN_WORK / (LANES * K * rows));

@@ -43,6 +43,16 @@ struct Aligned {
 template <typename T>
 using aligned_vector = std::vector<T, Aligned<T>>;
 
+// Items 0..n run by `threads` threads, each taking the next item whenever it is free (an atomic
+// counter): which thread runs an item does not change its bits.
+template <typename F>
+static void take_turns(int64_t n, int64_t threads, const F& f) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t i = next++; i < n; i = next++) f(i);
+  });
+}
+
 // Indices [begin, end) split among the threads in pieces that each takes, one at a time, when it is
 // free: on a small machine the API, Redis and the clients share the worker's cores, and a thread
 // the system preempts then holds up only its piece, not a fixed half of the step (with a split
@@ -57,11 +67,8 @@ static void in_pieces(int64_t begin, int64_t end, int64_t grain, const F& f) {
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), (n + grain - 1) / grain);
   if (threads <= 1 || at::in_parallel_region()) return f(begin, end);
   const int64_t per = threads * PIECES_PER_THREAD * grain, piece = grain * ((n + per - 1) / per);
-  const int64_t pieces = (n + piece - 1) / piece;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t i = next++; i < pieces; i = next++) f(begin + i * piece, std::min(end, begin + (i + 1) * piece));
-  });
+  take_turns((n + piece - 1) / piece, threads,
+             [&](int64_t i) { f(begin + i * piece, std::min(end, begin + (i + 1) * piece)); });
 }
 
 #ifdef __AVX512F__
