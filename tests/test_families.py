@@ -182,6 +182,45 @@ def test_the_log_says_how_sliding_windows_run(loaded_family, caplog):
     assert "every layer attends to its last 24 tokens (sliding window); blocks outside the window are kept" in text
 
 
+ROTARY = {"llama": "llama.modeling_llama.LlamaRotaryEmbedding", "mistral": "mistral.modeling_mistral.MistralRotaryEmbedding",
+          "qwen2": "qwen2.modeling_qwen2.Qwen2RotaryEmbedding", "qwen3": "qwen3.modeling_qwen3.Qwen3RotaryEmbedding",
+          "gemma3": "gemma3.modeling_gemma3.Gemma3RotaryEmbedding", "phi3": "phi3.modeling_phi3.Phi3RotaryEmbedding"}
+
+
+def scaled_configs():
+    """Each family's tiny config, and Llama's and Phi-3's with the other scaled ropes transformers
+    initialises (linear, yarn; longrope's short factors with a partial rotary)."""
+    configs = [(kind, family_config(kind, 512, 0, 1)) for kind in FAMILIES]
+    llama = family_config("llama", 512, 0, 1).to_dict()
+    for params in (dict(rope_type="linear", rope_theta=10000.0, factor=4.0),
+                   dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64)):
+        configs.append(("llama", LlamaConfig(**{**llama, "rope_parameters": params})))
+    phi3 = family_config("phi3", 512, 0, 1)
+    rotary = int(phi3.hidden_size // phi3.num_attention_heads * 0.75) // 2
+    configs.append(("phi3", Phi3Config(**{**phi3.to_dict(), "original_max_position_embeddings": 64, "rope_parameters": dict(
+        rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75, original_max_position_embeddings=64,
+        short_factor=[1.0 + i / 10 for i in range(rotary)], long_factor=[4.0 + i for i in range(rotary)])})))
+    return configs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_tables_are_transformers_rotary_embeddings_bit_for_bit(dtype):
+    """The engine makes its rope tables itself (the modelling modules cost a worker ~100 MiB to
+    import): every family's, every layer kind's and every scaled rope's equal transformers' own."""
+    import importlib
+    from worker.continuous.models.decoder import rope_tables
+    positions = torch.arange(64)
+    for kind, config in scaled_configs():
+        module, name = ROTARY[kind].rsplit(".", 1)
+        rotary = getattr(importlib.import_module("transformers.models." + module), name)(config)
+        for layer_type in sorted(set(getattr(config, "layer_types", None) or [None]), key=str):
+            extra = (layer_type,) if kind == "gemma3" else ()
+            want = rotary(torch.zeros((), dtype=dtype), positions[None], *extra)
+            got = rope_tables(config, layer_type, positions, dtype)
+            for w, g in zip(want, got):
+                assert g.dtype == dtype and torch.equal(w[0], g), (kind, config.rope_parameters, layer_type)
+
+
 def test_longrope_caps_the_context_where_the_short_factors_apply(tmp_path, smollm2_tokenizer, caplog):
     """Phi-3.5's rope: transformers switches every position to the long factors once the text
     passes original_max_position_embeddings; the engine stops there, and says so."""

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from worker.continuous import attention
 from worker.continuous.attention import KVCache, StepLayout
@@ -50,8 +50,42 @@ def rope_type(params: dict) -> str:
     return params.get("rope_type", params.get("type", "default"))
 
 
+def rope_tables(config, layer_type: Optional[str], positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [positions, rotary_dim] of one kind of layer, as the families' rotary embeddings in
+    transformers make them (Llama's, Qwen's, Mistral's, Phi-3's with its partial rotary, Gemma 3's
+    per layer kind): the same angles bit for bit (tests/test_families.py compares them), from
+    transformers' own initialisers for every scaled rope. Written here rather than taken from the
+    modelling modules because importing those costs a worker ~100 MiB (torch.distributed and the
+    rest they pull in) that nothing else in it needs."""
+    params = rope_parameters(config, layer_type)
+    kind = rope_type(params)
+    if kind == "default":
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+        inv_freq, scaling = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+    else:
+        per_kind = layer_type is not None and isinstance(getattr(config, "rope_parameters", {}).get(layer_type), dict)
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[kind](config, None, layer_type=layer_type if per_kind else None)
+    freqs = positions[..., None].float() * inv_freq.float()
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return (angles.cos() * scaling).to(dtype), (angles.sin() * scaling).to(dtype)
+
+
+def activation_function(name: str):
+    """transformers' activation `name` (torch's ops), imported when first asked for: the module pulls in
+    torch.distributed (~80 MiB), which a worker running the C++ decoder never calls."""
+    from transformers.activations import ACT2FN
+    return ACT2FN[name]
+
+
+def known_activation(name: str) -> bool:
+    if name in KERNEL_ACTIVATIONS:
+        return True
+    from transformers.activations import ACT2FN
+    return name in ACT2FN
+
+
 class Decoder:
-    rotary = None  # the family's rotary embedding class in transformers: it makes the tables
     norm_offset = 0.0  # added to every norm's weight: Gemma's norms multiply by 1 + w
 
     @classmethod
@@ -72,7 +106,7 @@ class Decoder:
             return "biases on the attention's or the MLP's products"
         if getattr(config, "use_bidirectional_attention", False):
             return "bidirectional attention"
-        if cls.activation(config) not in ACT2FN:
+        if not known_activation(cls.activation(config)):
             return f"activation {cls.activation(config)!r}"
         return None
 
@@ -105,11 +139,6 @@ class Decoder:
             return 0
         return getattr(config, "sliding_window", None) or 0
 
-    def rope_table(self, config, layer_type: Optional[str], positions: torch.Tensor, dtype):
-        """(cos, sin) [positions, rotary_dim] of one kind of layer."""
-        cos, sin = self.rotary(config)(torch.zeros((), dtype=dtype), positions[None])
-        return cos[0], sin[0]
-
     # --- the shared part ---
 
     def __init__(self, config, tensors: dict, dtype, device, products: EngineConfig, kernel=None):
@@ -123,7 +152,6 @@ class Decoder:
         self.layers = config.num_hidden_layers
         self.eps = config.rms_norm_eps
         self.act_name = self.activation(config)
-        self.act = ACT2FN[self.act_name]
         self.scale = self.attention_scale(config)
         self.notes: list[str] = []  # what the engine logs at start about how this model runs
 
@@ -177,7 +205,7 @@ class Decoder:
                                       f"({original} of {self.context} tokens), where its short factors always apply")
                     self.context = original
         positions = torch.arange(self.context)
-        tables = {t: self.rope_table(config, t, positions, dtype) for t in sorted(set(types), key=str)}
+        tables = {t: rope_tables(config, t, positions, dtype) for t in sorted(set(types), key=str)}
         tables = {t: (cos.to(device).contiguous(), sin.to(device).contiguous()) for t, (cos, sin) in tables.items()}
         self.tables = [tables[t] for t in types]  # each layer's (cos, sin), shared by the layers of a kind
         self.rotary_dim = self.tables[0][0].shape[-1]
@@ -252,7 +280,7 @@ class Decoder:
             out = b["o"](attention.attend(q, cache, layer, step, self.scale, self.windows[layer]).reshape(tokens, -1))
             x = x + (out if b["post_attn_norm"] is None else self._norm(out, b["post_attn_norm"]))
             gate, up = b["gate_up"](self._norm(x, b["norm2"])).chunk(2, dim=-1)
-            out = b["down"](self.act(gate) * up)
+            out = b["down"](activation_function(self.act_name)(gate) * up)
             x = x + (out if b["post_ffn_norm"] is None else self._norm(out, b["post_ffn_norm"]))
         return x
 

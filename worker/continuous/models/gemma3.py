@@ -7,10 +7,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
-
-from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
-
 from worker.continuous.models.decoder import Decoder
 from worker.continuous.models.llama import llama_layer
 
@@ -28,7 +24,6 @@ def text_part(config, tensors: Optional[dict] = None):
 
 
 class Gemma3(Decoder):
-    rotary = Gemma3RotaryEmbedding
     norm_offset = 1.0
 
     @classmethod
@@ -49,10 +44,6 @@ class Gemma3(Decoder):
 
     def embedding_scale(self, config) -> float:
         return config.hidden_size ** 0.5
-
-    def rope_table(self, config, layer_type, positions, dtype):
-        cos, sin = self.rotary(config)(torch.zeros((), dtype=dtype), positions[None], layer_type)
-        return cos[0], sin[0]
 
     def layer(self, tensors: dict, p: str) -> dict:
         return dict(llama_layer(tensors, p), q_norm=tensors[p + "self_attn.q_norm.weight"],

@@ -6,12 +6,12 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from transformers.activations import ACT2FN
 
 from worker.continuous import attention
 from worker.continuous.attention import KVCache, StepLayout
 from worker.continuous.config import EngineConfig
 from worker.continuous.linear import EVERY_STEP, Linear
+from worker.continuous.models.decoder import activation_function
 from worker.continuous.weights import dense_float, quantize_q4_1
 
 
@@ -32,7 +32,7 @@ class GPT2:
         self.head_dim = config.n_embd // config.n_head
         self.layers = config.n_layer
         self.eps = config.layer_norm_epsilon
-        self.act = ACT2FN[config.activation_function]
+        self.act = activation_function(config.activation_function)
         self.scale = 1 / math.sqrt(self.head_dim)
 
         def tensor(name):

@@ -2,9 +2,6 @@
 tensor names, and Mistral, which is Llama with a sliding window over every layer."""
 from __future__ import annotations
 
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-from transformers.models.mistral.modeling_mistral import MistralRotaryEmbedding
-
 from worker.continuous.models.decoder import Decoder
 
 
@@ -19,12 +16,9 @@ def llama_layer(tensors: dict, p: str) -> dict:
 
 
 class Llama(Decoder):
-    rotary = LlamaRotaryEmbedding  # default, linear, llama3, yarn…: transformers' own angles
-
     def layer(self, tensors: dict, p: str) -> dict:
         return llama_layer(tensors, p)
 
 
 class Mistral(Llama):
     """Llama's layer; `sliding_window` applies to every layer (Decoder.window)."""
-    rotary = MistralRotaryEmbedding

@@ -3,23 +3,16 @@ rotation; a head_dim of its own, wider than hidden / heads in some sizes): Llama
 Sliding layers, where a config turns them on, come from its layer_types (Decoder.window)."""
 from __future__ import annotations
 
-from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
-from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
-
 from worker.continuous.models.decoder import Decoder
 from worker.continuous.models.llama import llama_layer
 
 
 class Qwen2(Decoder):
-    rotary = Qwen2RotaryEmbedding
-
     def layer(self, tensors: dict, p: str) -> dict:
         return dict(llama_layer(tensors, p), qkv_bias=[tensors[p + f"self_attn.{x}_proj.bias"] for x in "qkv"])
 
 
 class Qwen3(Decoder):
-    rotary = Qwen3RotaryEmbedding
-
     def layer(self, tensors: dict, p: str) -> dict:
         return dict(llama_layer(tensors, p), q_norm=tensors[p + "self_attn.q_norm.weight"],
                     k_norm=tensors[p + "self_attn.k_norm.weight"])
