@@ -118,6 +118,7 @@ def main(argv=None) -> None:
     parser.add_argument("--int4-rows", type=int, default=Settings.int4_rows)
     parser.add_argument("--small-kernel", default=Settings.small_kernel)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--kv-dtype", default=Settings.kv_dtype, help="the KV cache's element type (Settings.kv_dtype)")
     parser.add_argument("--model", default="smollm2", help="the packaged SmolLM2, a GGUF file or a directory")
     parser.add_argument("--out", default="bench/results/profile")
     args = parser.parse_args(argv)
@@ -125,7 +126,8 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     loaded = load(args.model, dtype=args.dtype, transformers_model=False,
                   cache_dir=Settings.cache_dir)
-    settings = Settings(int4_rows=args.int4_rows, small_kernel=args.small_kernel)
+    settings = Settings(int4_rows=args.int4_rows, small_kernel=args.small_kernel, dtype=args.dtype,
+                        kv_dtype=args.kv_dtype)
     results = []
     for batch in args.batches:
         r = profile_batch(loaded, settings, batch, args.steps, args.context)

@@ -138,7 +138,8 @@ def run_llama(path: Path, args) -> dict:
 
 
 def run_storyteller(path: Path, args) -> dict:
-    env = {"ENGINE": "continuous", **({"KV_MEMORY": str(args.kv_memory)} if args.kv_memory else {})}
+    env = {"ENGINE": "continuous", "KV_DTYPE": args.kv_dtype,
+           **({"KV_MEMORY": str(args.kv_memory)} if args.kv_memory else {})}
     with stack(env, str(path), LOGS, "vs-llama-storyteller") as running:
         run = crowds("storyteller", running.url, running.model, args, lambda: worker_rss_mb(running))
         run["worker"] = running.workers()[0] if running.workers() else None
@@ -183,8 +184,9 @@ def main(argv=None) -> int:
     ap.add_argument("--only", choices=("both", "llama", "storyteller"), default="both")
     ap.add_argument("--kv-memory", type=int, default=0,
                     help="MiB of KV cache for Storyteller's worker (default: its own, 1 GiB). llama-server's "
-                         "cache holds every slot's tokens; where the engine computes in float32 (a CPU without "
-                         "native bf16) its cache is float32 too, and 1 GiB may hold fewer players' tokens")
+                         "cache holds every slot's tokens; 1 GiB may hold fewer players' tokens")
+    ap.add_argument("--kv-dtype", default="auto", help="Storyteller's KV cache element type (--kv-dtype: auto is "
+                                                       "float16 where the engine computes in float32)")
     ap.add_argument("--out", help="writes <out>.json and <out>.png "
                                   "(default docs/results/vs-llama-server-<file stem>)")
     args = ap.parse_args(argv)
@@ -205,7 +207,8 @@ def main(argv=None) -> int:
                                "machine": {"cpu": cpu_name(),
                                            "llama_cpp": f"llama-cpp-python {llama_cpp.gguf_files.CONVERTER_VERSION}"
                                                         " vendored, GGML_NATIVE=ON, -t 2"},
-                               "storyteller_kv_memory_mib": args.kv_memory or None, "rows": rows, "runs": runs})
+                               "storyteller_kv_memory_mib": args.kv_memory or None,
+                               "storyteller_kv_dtype": args.kv_dtype, "rows": rows, "runs": runs})
     plot_crowds(runs, out + ".png")
     print(f"wrote {out}.json and {out}.png")
     return 1 if any(r["errors"] for r in rows) else 0

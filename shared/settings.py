@@ -84,7 +84,10 @@ class Settings:
     kv_blocks: int = _setting(0, "blocks in the KV cache (0: as many as --kv-memory holds)")
     kv_memory: int = _setting(1024, "MiB of memory for the KV cache, when --kv-blocks is 0 (pages are "
                                     "touched only when used; a token costs 2 x layers x KV heads x "
-                                    "head_dim x 2 bytes in bf16: docs/serving.md)")
+                                    "head_dim x 2 bytes in bf16 or float16: docs/serving.md)")
+    kv_dtype: str = _setting("auto", "auto | model | float16 | bfloat16: the KV cache's element type (auto: "
+                                     "float16 on a CPU whose --dtype auto computes in float32, as llama.cpp "
+                                     "keeps its cache, half the bytes a token; else the model's dtype)")
     max_batch_tokens: int = _setting(512, "tokens computed per step at most: decodes plus prefill "
                                           "chunks (a longer prompt is prefilled in chunks)")
     prefill_chunk: int = _setting(256, "most prompt tokens computed per step while others are "

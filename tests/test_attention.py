@@ -103,6 +103,34 @@ def test_kernel_with_a_sliding_window_matches_plain_softmax(kernel, window, dtyp
         assert torch.equal(out, kernel.paged_decode(q, cache.k[0], cache.v[0], tables, lengths, 0.25))
 
 
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16])
+def test_a_half_cache_beside_float32_reads_as_its_values_in_float32(kernel, half):
+    """engine.cache_dtype's float16 (or bfloat16) cache beside float32 steps: the kernel widens each
+    stored value exactly, so its answer is bit for bit that of a float32 cache holding the same
+    rounded values; and torch's path (a worker without the kernels) reads the same cache too, its
+    writes rounded to the cache's type."""
+    q, cache, tables, lengths = _windowed_step(torch.float32)
+    stored = KVCache(1, KV_HEADS, DIM, BLOCKS, SIZE, half, torch.device("cpu"))
+    stored.k.copy_(cache.k), stored.v.copy_(cache.v)
+    widened = KVCache(1, KV_HEADS, DIM, BLOCKS, SIZE, torch.float32, torch.device("cpu"))
+    widened.k.copy_(stored.k), widened.v.copy_(stored.v)
+    assert not torch.equal(widened.k, cache.k)  # the rounding is real
+    for window in (0, 5):
+        out = kernel.paged_decode(q, stored.k[0], stored.v[0], tables, lengths, 0.25, window)
+        assert out.dtype == torch.float32
+        assert torch.equal(out, kernel.paged_decode(q, widened.k[0], widened.v[0], tables, lengths, 0.25, window))
+    step = StepLayout(slots=torch.empty(0, dtype=torch.long), decodes=len(lengths), decode_tables=tables,
+                      decode_lengths=lengths)
+    expected = reference(q, widened, tables, lengths, 0.25)
+    assert torch.allclose(attention.attend(q, stored, 0, step, scale=0.25), expected, atol=1e-5)
+    keys = torch.randn(3, KV_HEADS, DIM)
+    attention.write(stored, 0, keys, keys, torch.tensor([0, 1, 2]))
+    assert torch.equal(stored.k[0, :, 0, :3], keys.to(half).transpose(0, 1))
+    with pytest.raises(RuntimeError, match="float16 / bfloat16 beside float32"):
+        kernel.paged_decode(q.to(torch.bfloat16), stored.k[0].to(torch.float16), stored.v[0].to(torch.float16),
+                            tables, lengths, 0.25, 0)
+
+
 def test_blocks_before_a_rows_window_are_never_read(kernel):
     """A sliding-window layer may free a request's blocks behind the window: their table entries then
     name another request's block (here: one full of NaN), and nothing of it may leak in."""

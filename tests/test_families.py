@@ -29,7 +29,9 @@ from worker.continuous.attention import KVCache
 from worker.model_loader import load
 
 # Blocks of 4 tokens and chunks of 8 (12 tokens a step): the prompts span many blocks and split.
-SETTINGS = Settings(block_size=4, kv_blocks=512, max_batch_tokens=12, prefill_chunk=8, batch=0)
+# The cache in the model's dtype: these tests hold the model code to transformers' float32 numbers
+# (a float16 cache's rounding, engine.cache_dtype's auto on a CPU without bf16, is tested on its own).
+SETTINGS = Settings(block_size=4, kv_blocks=512, max_batch_tokens=12, prefill_chunk=8, batch=0, kv_dtype="model")
 NO_KERNELS = replace(SETTINGS, cache_dir="")  # engine.build builds no C++ kernels without a cache
 LENGTHS = (3, 13, 20, 41, 70)  # around and past the windows (16, 24) and the chunks
 NEW = 10  # tokens written by each
@@ -168,6 +170,11 @@ def test_the_kv_cache_is_sized_from_the_models_own_layers_heads_and_head_dim(kin
     assert shape[3] == 4 and shape[4] == head_dim
     per_token = KVCache.bytes_per_token(config.num_hidden_layers, config.num_key_value_heads, head_dim, torch.float32)
     assert shape[2] == 8 * (1 << 20) // (4 * per_token)
+    # --kv-dtype auto with --dtype auto, where that computes in float32: a float16 cache holds twice
+    # the tokens, and the fingerprint says so (workers whose texts differ by it are told apart)
+    half = build(loaded, replace(NO_KERNELS, kv_blocks=0, kv_memory=8, kv_dtype="auto", dtype="auto"))
+    assert half.runner.cache.k.dtype == torch.float16 and half.runner.cache.k.shape[2] == 8 * (1 << 20) // (2 * per_token)
+    assert "float32+kv-float16" in half.numerics and "kv-" not in engine.numerics
     if kind == "qwen3":
         assert head_dim != config.hidden_size // config.num_attention_heads  # 96, not 64
 

@@ -27,7 +27,7 @@ from worker.static_engine import StaticEngine
 from worker.worker import Worker
 
 FLAGS = ["redis_url", "redis_cluster", "model", "model_name", "engine", "batch", "wait_ms", "dtype", "device",
-         "block_size", "kv_blocks", "kv_memory", "max_batch_tokens", "prefill_chunk", "step_fill", "max_stretch",
+         "block_size", "kv_blocks", "kv_memory", "kv_dtype", "max_batch_tokens", "prefill_chunk", "step_fill", "max_stretch",
          "scheduler", "prefix_caching", "int4_rows", "small_kernel", "kernel_isa", "int4_head", "torch_threads", "cache_dir",
          "max_attempts", "metrics_port", "metrics_host"]
 STATIC_DEFAULT_BATCH = 64
@@ -48,6 +48,8 @@ def check(settings: Settings) -> None:
         check_small_kernel_name(settings.small_kernel)
     except ValueError as exc:
         raise SystemExit(str(exc))
+    if settings.kv_dtype not in continuous.KV_DTYPES:
+        raise SystemExit(f"--kv-dtype {settings.kv_dtype!r}: expected one of {', '.join(continuous.KV_DTYPES)}")
     if settings.kernel_isa not in ISAS:
         raise SystemExit(f"--kernel-isa {settings.kernel_isa!r}: expected one of {', '.join(ISAS)}")
     if settings.int4_rows < -1:

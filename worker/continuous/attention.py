@@ -80,8 +80,9 @@ class StepLayout:
 
 def write(cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
     """k, v: [tokens, kv_heads, head_dim], stored at `slots` (block * block_size + offset)."""
-    cache.k[layer].flatten(1, 2).index_copy_(1, slots, k.transpose(0, 1))
-    cache.v[layer].flatten(1, 2).index_copy_(1, slots, v.transpose(0, 1))
+    dtype = cache.k.dtype  # rounded to it where the cache keeps fewer bits than the step (engine.cache_dtype)
+    cache.k[layer].flatten(1, 2).index_copy_(1, slots, k.transpose(0, 1).to(dtype))
+    cache.v[layer].flatten(1, 2).index_copy_(1, slots, v.transpose(0, 1).to(dtype))
 
 
 def attend(q: torch.Tensor, cache: KVCache, layer: int, step: StepLayout, scale: float,
@@ -104,8 +105,8 @@ def _decode(q, k_cache, v_cache, step: StepLayout, scale: float, window: int = 0
     group = heads // kv_heads
     blocks = step.decode_tables.flatten()
     longest = blocks.shape[0] // rows * k_cache.shape[2]
-    k = k_cache.index_select(1, blocks).view(kv_heads, rows, longest, dim)
-    v = v_cache.index_select(1, blocks).view(kv_heads, rows, longest, dim)
+    k = k_cache.index_select(1, blocks).view(kv_heads, rows, longest, dim).to(q.dtype)
+    v = v_cache.index_select(1, blocks).view(kv_heads, rows, longest, dim).to(q.dtype)
     q = q.reshape(rows, kv_heads, group, dim).transpose(0, 1)  # [kv_heads, rows, group, dim]
     dtype = q.dtype
     if rows <= SMALL_DECODE_ROWS:  # bf16 batched matmuls carry a fixed cost each, large at few rows
@@ -123,8 +124,8 @@ def _decode(q, k_cache, v_cache, step: StepLayout, scale: float, window: int = 0
 
 def _prefill(q, k_cache, v_cache, chunk: Chunk, scale: float, window: int = 0) -> torch.Tensor:
     context, mask = chunk.window(window)
-    k = k_cache.flatten(1, 2).index_select(1, context)  # [kv_heads, context, dim]
-    v = v_cache.flatten(1, 2).index_select(1, context)
+    k = k_cache.flatten(1, 2).index_select(1, context).to(q.dtype)  # [kv_heads, context, dim]
+    v = v_cache.flatten(1, 2).index_select(1, context).to(q.dtype)
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None],
                                          attn_mask=mask, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)

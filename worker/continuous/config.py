@@ -18,6 +18,8 @@ class EngineConfig:
     block_size: int
     kv_blocks: int  # 0: as many as kv_memory holds
     kv_memory: int  # MiB
+    kv_dtype: str  # auto | model | float16 | bfloat16 (engine.cache_dtype resolves it)
+    dtype: str  # the dtype asked for (auto: the hardware's choice), which kv_dtype auto follows
     prefix_caching: bool
     # The scheduler
     batch: int  # most running requests (0: as many as the cache and the step budget allow)

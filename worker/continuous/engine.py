@@ -11,6 +11,8 @@ import math
 import os
 import time
 
+import torch
+
 from shared.protocol import FEATURES, Job
 from shared.settings import Settings
 from worker.continuous import kernels, linear, models
@@ -39,8 +41,9 @@ class ContinuousEngine:
         `kernel`: the C++ kernels (worker.continuous.kernels), or None."""
         self.loaded = loaded
         size = config.block_size
+        kv_dtype = cache_dtype(config, loaded)
         blocks = config.kv_blocks or max(1, config.kv_memory * MIB // (size * KVCache.bytes_per_token(
-            model.layers, model.kv_heads, model.head_dim, loaded.dtype)))
+            model.layers, model.kv_heads, model.head_dim, kv_dtype)))
         self.blocks = BlockManager(blocks, size, config.prefix_caching)
         # Each running request holds a block at least, and each decode costs a token of the budget:
         # beyond either, requests would be held without being computed, also with a larger --batch.
@@ -52,8 +55,7 @@ class ContinuousEngine:
         margin = max(1, blocks // 100)
         self.scheduler = Scheduler(self.blocks, config, self.capacity, margin,
                                    Pacer(config.max_stretch, config.step_fill))
-        cache = KVCache(model.layers, model.kv_heads, model.head_dim, blocks, size, loaded.dtype,
-                        loaded.device)
+        cache = KVCache(model.layers, model.kv_heads, model.head_dim, blocks, size, kv_dtype, loaded.device)
         self.runner = ModelRunner(model, cache, size, loaded.device, kernel)
         self.numerics = ""  # the fingerprint, set by build()
         self.last_batch = 0  # sequences computed by the last step
@@ -65,8 +67,9 @@ class ContinuousEngine:
         self._margin = margin
         self._admitted: set[Request] = set()  # the running requests already counted
         self._hits = 0  # the block manager's prefix hits when last counted
-        log.info("KV cache: %d blocks of %d tokens (%.0f MiB); up to %d requests, %d tokens a step, "
-                 "%s scheduler, prefix caching %s", blocks, size, cache.k.nbytes * 2 / MIB, self.capacity,
+        log.info("KV cache: %d blocks of %d tokens (%.0f MiB, %s); up to %d requests, %d tokens a step, "
+                 "%s scheduler, prefix caching %s", blocks, size, cache.k.nbytes * 2 / MIB,
+                 str(kv_dtype).removeprefix("torch."), self.capacity,
                  config.max_batch_tokens, config.scheduler, "on" if config.prefix_caching else "off")
 
     @property
@@ -178,7 +181,7 @@ def build(loaded: LoadedModel, settings: Settings, tensors: dict, model_config):
         log.info("context window: %d tokens (the model's config says %d)", context, loaded.context_window)
         loaded.context_window = context
     engine = ContinuousEngine(loaded, model, config, kernel)
-    engine.numerics = numerics(model, loaded, kernel, config.kernel_isa)
+    engine.numerics = numerics(model, loaded, kernel, config.kernel_isa, engine.runner.cache.k.dtype)
     log.info("numerics: %s", engine.numerics)
     if not engine.numerics.endswith("+invariant"):
         log.warning("a request's text may depend on the other requests in its step here (%s): seeds "
@@ -187,12 +190,36 @@ def build(loaded: LoadedModel, settings: Settings, tensors: dict, model_config):
     return engine
 
 
-def numerics(model, loaded: LoadedModel, kernel, isa: str = "native") -> str:
+KV_DTYPES = ("auto", "model", "float16", "bfloat16")
+
+
+def cache_dtype(config: EngineConfig, loaded: LoadedModel) -> torch.dtype:
+    """The KV cache's element type (Settings.kv_dtype). auto: float16 where a CPU computes in
+    float32 because --dtype auto found no bf16 arithmetic there (the steps' products stay float32;
+    keys and values are rounded to float16 as they are stored, as llama.cpp stores them: half the
+    bytes a token, so twice the players in the same memory); else the model's dtype. A half cache
+    is only kept beside float32 (the C++ decoder's with_cache_type)."""
+    name = config.kv_dtype
+    if name not in KV_DTYPES:
+        raise ValueError(f"kv_dtype {name!r}: expected one of {', '.join(KV_DTYPES)}")
+    if name == "auto":
+        half = loaded.device.type == "cpu" and loaded.dtype == torch.float32 and config.dtype == "auto"
+        return torch.float16 if half else loaded.dtype
+    dtype = loaded.dtype if name == "model" else getattr(torch, name)
+    if dtype != loaded.dtype and loaded.dtype != torch.float32:
+        raise ValueError(f"kv_dtype {name}: a {name} cache is kept beside float32 steps only (this model "
+                         f"computes in {str(loaded.dtype).removeprefix('torch.')}); use auto or model")
+    return dtype
+
+
+def numerics(model, loaded: LoadedModel, kernel, isa: str = "native", kv_dtype: torch.dtype = None) -> str:
     """The worker's numerics fingerprint (WorkerInfo.numerics): how its products run, the dtype, the
     kernels' build, and "+invariant" where each row's numbers are its own whatever shares its step:
     an invariant kernel at every step for every layer (linear.INVARIANT), inside the C++ decoder
     (every token a row of it: its norms, rotary and attention)."""
     dtype = str(loaded.dtype).removeprefix("torch.")
+    if kv_dtype not in (None, loaded.dtype):  # the keys' and values' rounding changes the text
+        dtype += "+kv-" + str(kv_dtype).removeprefix("torch.")
     if loaded.device.type != "cpu" or kernel is None:
         return f"torch-{loaded.device.type}/{dtype}"
     layers = model.linears()

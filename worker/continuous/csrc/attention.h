@@ -14,6 +14,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <utility>
 #include <cmath>
 #include <limits>
@@ -34,7 +35,29 @@ static inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
 }
 static inline void to_float(const c10::Half* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  int64_t i = 0;
+#ifdef __F16C__
+  for (; i + 8 <= n; i += 8)  // exact, as the scalar conversion is
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// Calls f(T(), C()) with T the step's element type and C the cache's: the step's own, or float16 /
+// bfloat16 beside float32. A float32 model (a CPU without bf16 arithmetic computes a quantized
+// file's model in float32) then keeps its keys and values in half the bytes, as llama.cpp keeps
+// them in float16: twice the tokens in a cache of the same size, half the bytes read a step.
+template <typename F>
+void with_cache_type(at::ScalarType x, at::ScalarType cache, const char* who, const F& f) {
+  TORCH_CHECK(cache == x || (x == at::kFloat && (cache == at::kHalf || cache == at::kBFloat16)), who,
+              ": the cache must have the step's dtype, or float16 / bfloat16 beside float32");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, x, "with_cache_type", [&] {
+    if (cache == x) return f(scalar_t(), scalar_t());
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      if (cache == at::kHalf) return f(scalar_t(), c10::Half());
+      return f(scalar_t(), c10::BFloat16());
+    }
+  });
 }
 
 // A prompt's consecutive rows (one request, positions p, p + 1, ...) that share one pass over its
@@ -120,8 +143,8 @@ static inline int64_t window_start(int64_t length, int64_t window) {
 // are kept from its own first position on (window_start), so that they start on a 64-byte line
 // whatever the tile's other rows see; blocks wholly before the tile's first row's window are never
 // read (a sliding-window layer may have freed them: their table entries mean nothing).
-template <typename T, int64_t DIM>
-static void attend_tile(const T* q, int64_t q_stride, const T* k, const T* v, const int64_t* table,
+template <typename T, typename C, int64_t DIM>
+static void attend_tile(const T* q, int64_t q_stride, const C* k, const C* v, const int64_t* table,
                         const int64_t* lengths, int64_t rows, T* out, int64_t out_stride, int64_t group,
                         int64_t kv, int64_t blocks, int64_t block_size, int64_t dim_at_run_time, float scale,
                         int64_t window, DecodeBuffers& buf) {
@@ -145,7 +168,7 @@ static void attend_tile(const T* q, int64_t q_stride, const T* k, const T* v, co
   // each row takes the part of it inside its window: positions [from, from + n), `from` absolute.
   // (Lengths grow along the tile, and so do the windows' starts: the first row's starts first.)
   const int64_t first = window_start(lengths[0], window) / block_size * block_size;
-  const auto blockwise = [&](const T* cache, const auto& each_row) {
+  const auto blockwise = [&](const C* cache, const auto& each_row) {
     for (int64_t start = first; start < longest; start += block_size) {
       prefetch_next(cache, table, start, longest, kv, blocks, block_size, dim);
       to_float(cache + (kv * blocks + table[start / block_size]) * block_size * dim, buf.block_f.data(),
@@ -177,12 +200,12 @@ static void attend_tile(const T* q, int64_t q_stride, const T* k, const T* v, co
 }
 
 // q: rows of `heads * dim`, `q_stride` elements apart (the queries may sit inside a fused QKV
-// row); out: [rows, heads, dim]. The cache: [kv_heads, blocks, block_size, dim]. `window` > 0: each
+// row); out: [rows, heads, dim]. The cache: [kv_heads, blocks, block_size, dim], of q's type or C. `window` > 0: each
 // row attends to its last `window` positions only (a sliding-window layer), 0: to all of them.
 // DIM > 0 fixes the head size at compile time (the inner loops then unroll into a few vector
 // instructions); DIM == 0 takes it at run time.
-template <typename T, int64_t DIM>
-void decode(const T* q, int64_t q_stride, const T* k, const T* v, const int64_t* tables,
+template <typename T, typename C, int64_t DIM>
+void decode(const T* q, int64_t q_stride, const C* k, const C* v, const int64_t* tables,
             const int64_t* lengths, T* out, int64_t rows, int64_t heads, int64_t kv_heads,
             int64_t blocks, int64_t block_size, int64_t dim_at_run_time, int64_t width, float scale,
             int64_t window) {
@@ -205,16 +228,16 @@ void decode(const T* q, int64_t q_stride, const T* k, const T* v, const int64_t*
     thread_local DecodeBuffers buf;
     const auto [row, n] = tiles[item / kv_heads];
     const int64_t kv = item % kv_heads;
-    attend_tile<T, DIM>(q + row * q_stride + kv * group * dim, q_stride, k, v, tables + row * width, lengths + row,
+    attend_tile<T, C, DIM>(q + row * q_stride + kv * group * dim, q_stride, k, v, tables + row * width, lengths + row,
                         n, out + (row * heads + kv * group) * dim, heads * dim, group, kv, blocks, block_size,
                         dim, scale, window, buf);
   });
 }
 
 // Picks the instance for the head size: 64 (SmolLM2) and 128 (most Llamas) unrolled.
-template <typename T>
+template <typename T, typename C = T>
 auto decode_for(int64_t dim) {
-  return dim == 64 ? decode<T, 64> : dim == 128 ? decode<T, 128> : decode<T, 0>;
+  return dim == 64 ? decode<T, C, 64> : dim == 128 ? decode<T, C, 128> : decode<T, C, 0>;
 }
 
 }  // namespace storyteller

@@ -70,10 +70,11 @@ static void rms_norm(const T* x, const T* weight, T* out, int64_t rows, int64_t 
 // One row of the fused q/k/v product, in place, then its keys and values to their cache slot: the
 // bias added (if any), each query and key head RMS-normed over the head (if q_norm / k_norm), its
 // first `rot` dimensions rotated by halves as transformers' rotate_half does (the rest as they are),
-// all in float32 and rounded once. `f`: a head's worth of aligned scratch.
-template <typename T>
+// all in float32 and rounded once (to the cache's type C, where it is not T's, from T's value).
+// `f`: a head's worth of aligned scratch.
+template <typename T, typename C>
 STORYTELLER_ROW static void qkv_row(T* row, const T* bias, const T* q_norm, const T* k_norm, const T* c, const T* s,
-                                    int64_t rot, int64_t slot, T* k_cache, T* v_cache, int64_t heads,
+                                    int64_t rot, int64_t slot, C* k_cache, C* v_cache, int64_t heads,
                                     int64_t kv_heads, int64_t dim, int64_t slots_per_head, float eps, float* f) {
   const int64_t half = rot / 2;
   for (int64_t h = 0; h < heads + kv_heads; ++h) {
@@ -101,8 +102,11 @@ STORYTELLER_ROW static void qkv_row(T* row, const T* bias, const T* q_norm, cons
       row[i] = static_cast<T>(static_cast<float>(row[i]) + static_cast<float>(bias[i]));
   for (int64_t kv = 0; kv < kv_heads; ++kv) {
     const int64_t at = (kv * slots_per_head + slot) * dim;
-    std::copy_n(row + (heads + kv) * dim, dim, k_cache + at);
-    std::copy_n(row + (heads + kv_heads + kv) * dim, dim, v_cache + at);
+    const T *k = row + (heads + kv) * dim, *v = row + (heads + kv_heads + kv) * dim;
+    for (int64_t i = 0; i < dim; ++i) {
+      k_cache[at + i] = static_cast<C>(static_cast<float>(k[i]));  // exact where C is T
+      v_cache[at + i] = static_cast<C>(static_cast<float>(v[i]));
+    }
   }
 }
 
@@ -194,8 +198,9 @@ class Decoder {
 
   // x: [rows, hidden], each row one token at `positions`; its keys and values go to `slots` and it
   // attends to `lengths` tokens (its window's last ones) through `tables`. The cache: [layers,
-  // kv_heads, blocks, block_size, dim]. Returns the hidden states after the last layer (x, updated
-  // in place). `cos`/`sin`, where given, stand for every layer's tables (LlamaDecoder's call).
+  // kv_heads, blocks, block_size, dim], of x's dtype or float16 / bfloat16 beside float32. Returns
+  // the hidden states after the last layer (x, updated in place). `cos`/`sin`, where given, stand
+  // for every layer's tables (LlamaDecoder's call).
   torch::Tensor forward(torch::Tensor x, torch::Tensor positions, torch::Tensor k_cache, torch::Tensor v_cache,
                         torch::Tensor slots, torch::Tensor tables, torch::Tensor lengths, double scale,
                         const torch::Tensor* cos = nullptr, const torch::Tensor* sin = nullptr) {
@@ -205,8 +210,7 @@ class Decoder {
     TORCH_CHECK(k_cache.size(0) == static_cast<int64_t>(layers_.size()) && k_cache.size(1) == kv_heads_ &&
                 k_cache.size(4) == dim_ && v_cache.sizes() == k_cache.sizes(),
                 "Decoder: the cache must be [layers, kv_heads, blocks, block_size, head_dim]");
-    TORCH_CHECK(x.scalar_type() == k_cache.scalar_type() && x.scalar_type() == v_cache.scalar_type(),
-                "Decoder: x and the cache must share a dtype");
+    TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "Decoder: the keys and values must share a dtype");
     const int64_t rows = x.size(0);
     TORCH_CHECK(positions.numel() == rows && slots.numel() == rows && lengths.numel() == rows && tables.size(0) == rows,
                 "Decoder: positions, slots, lengths and tables need a row per row of x");
@@ -218,8 +222,8 @@ class Decoder {
       TORCH_CHECK(c.scalar_type() == x.scalar_type(), "Decoder: the rotary tables must have x's dtype");
       TORCH_CHECK(furthest < c.size(0), "Decoder: a position past the rotary tables (", furthest, ")");
     }
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, x.scalar_type(), "decode", [&] {
-      run<scalar_t>(x, positions, k_cache, v_cache, slots, tables, lengths, static_cast<float>(scale), cos, sin);
+    with_cache_type(x.scalar_type(), k_cache.scalar_type(), "Decoder", [&](auto t, auto c) {
+      run<decltype(t), decltype(c)>(x, positions, k_cache, v_cache, slots, tables, lengths, static_cast<float>(scale), cos, sin);
     });
     return x;
   }
@@ -231,7 +235,7 @@ class Decoder {
                 "Decoder: cos and sin must be [positions, rotary_dim], rotary_dim even and at most head_dim");
   }
 
-  template <typename T>
+  template <typename T, typename C>
   void run(torch::Tensor& x, const torch::Tensor& positions, torch::Tensor& k_cache, torch::Tensor& v_cache,
            const torch::Tensor& slots, const torch::Tensor& tables, const torch::Tensor& lengths, float scale,
            const torch::Tensor* cos_all, const torch::Tensor* sin_all) {
@@ -246,8 +250,8 @@ class Decoder {
       const DecoderLayer& layer = layers_[l];
       const torch::Tensor cos = (cos_all ? *cos_all : layer.cos).contiguous();
       const torch::Tensor sin = (sin_all ? *sin_all : layer.sin).contiguous();
-      T* k_layer = k_cache.data_ptr<T>() + l * layer_size;
-      T* v_layer = v_cache.data_ptr<T>() + l * layer_size;
+      C* k_layer = k_cache.data_ptr<C>() + l * layer_size;
+      C* v_layer = v_cache.data_ptr<C>() + l * layer_size;
 
       rms_norm(x.data_ptr<T>(), layer.norm1.data_ptr<T>(), normed.data_ptr<T>(), rows, hidden, eps_);
       torch::Tensor qkv = layer.qkv(normed).contiguous();
@@ -260,7 +264,7 @@ class Decoder {
         qkv_row(qkv.data_ptr<T>() + r * cols, bias, q_norm, k_norm, c + pos[r] * rot, s + pos[r] * rot, rot, slot[r],
                 k_layer, v_layer, heads_, kv_heads_, dim_, slots_per_head, eps_, head.data());
       });
-      decode_for<T>(dim_)(qkv.data_ptr<T>(), cols, k_layer, v_layer, tables.data_ptr<int64_t>(),
+      decode_for<T, C>(dim_)(qkv.data_ptr<T>(), cols, k_layer, v_layer, tables.data_ptr<int64_t>(),
                           lengths.data_ptr<int64_t>(), attn.data_ptr<T>(), rows, heads_, kv_heads_, blocks, block_size,
                           dim_, tables.size(1), scale, layer.window);
       x.add_(post_norm(layer.o(attn), layer.post_attn_norm));

@@ -18,14 +18,14 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   TORCH_CHECK(window >= 0, "paged_decode: window must be 0 (none) or a number of positions");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
               tables.is_contiguous() && lengths.is_contiguous(), "paged_decode: contiguous tensors only");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "paged_decode: q and the cache must share a dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_decode: the keys and values must share a dtype");
   auto out = torch::empty_like(q);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(), "paged_decode", [&] {
-    decode_for<scalar_t>(q.size(2))(
-        q.data_ptr<scalar_t>(), q.size(1) * q.size(2), k_cache.data_ptr<scalar_t>(),
-        v_cache.data_ptr<scalar_t>(), tables.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(),
-        out.data_ptr<scalar_t>(), q.size(0), q.size(1), k_cache.size(0), k_cache.size(1),
+  with_cache_type(q.scalar_type(), k_cache.scalar_type(), "paged_decode", [&](auto t, auto c) {
+    using T = decltype(t);
+    using C = decltype(c);
+    decode_for<T, C>(q.size(2))(
+        q.data_ptr<T>(), q.size(1) * q.size(2), k_cache.data_ptr<C>(), v_cache.data_ptr<C>(), tables.data_ptr<int64_t>(),
+        lengths.data_ptr<int64_t>(), out.data_ptr<T>(), q.size(0), q.size(1), k_cache.size(0), k_cache.size(1),
         k_cache.size(2), q.size(2), tables.size(1), static_cast<float>(scale), window);
   });
   return out;
