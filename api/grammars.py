@@ -116,6 +116,13 @@ def _response_format(response_format: dict) -> tuple[str, str]:
     return _json_grammar(schema, f"{where}.schema"), f"{where}.schema"
 
 
+def _regex_grammar(regex: str) -> str:
+    """A regex as a JSON schema's `pattern` reads it (ECMA-262): \\d and \\w are ASCII ([0-9],
+    [0-9a-zA-Z_]), \\s any Unicode space; a Unicode class is still there written out (\\p{Nd}).
+    Left to Rust's regex crate, \\d would take any script's digits (a date came back in 🯸)."""
+    return llguidance.LLMatcher.grammar_from_lark(f"start: /{llguidance.regex_to_lark(regex, use_ascii='dw')}/")
+
+
 def _structured_outputs(options: dict) -> tuple[str, str]:
     for key in options:
         if key not in STRUCTURED_KINDS:
@@ -148,7 +155,7 @@ def _structured_outputs(options: dict) -> tuple[str, str]:
     if kind == "regex":
         if not isinstance(value, str) or not value:
             raise wrong("a non-empty string (a regular expression)")
-        return llguidance.LLMatcher.grammar_from_regex(value), param
+        return _regex_grammar(value), param
     if kind == "choice":
         if not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
             raise wrong("a non-empty array of non-empty strings")

@@ -92,6 +92,20 @@ def test_json_is_compact_unless_the_schema_asks_otherwise(smollm2):
     assert _allows(smollm2, loose.text, '{"a": 1}')
 
 
+def test_a_regexs_classes_mean_what_a_json_schemas_pattern_means(smollm2):
+    """\\d and \\w are ASCII, as in a schema's `pattern` (ECMA-262): SmolLM2 once filled
+    \\d{4}-\\d{2}-\\d{2} with mathematical digits. A Unicode class, written out, is still there."""
+    date = _grammar(smollm2, _chat(structured_outputs={"regex": r"\d{4}-\d{2}-\d{2}"})).text
+    assert _allows(smollm2, date, "2026-12-03")
+    assert not _allows(smollm2, date, "\U0001FBF8" * 4 + "-" + "\U0001FBF8" * 2 + "-" + "\U0001FBF8" * 2)
+    assert not _allows(smollm2, date, "\u0662\u0660\u0662\u0666-12-03")  # Arabic-Indic digits
+    word = _grammar(smollm2, _chat(structured_outputs={"regex": r"\w+/\W\s\D"})).text
+    assert _allows(smollm2, word, "ab_9/- x") and not _allows(smollm2, word, "caf\u00e9/- x")
+    assert _allows(smollm2, word, "ab/-\u00a0x")  # \\s: any space, as ECMA-262 has it
+    written_out = _grammar(smollm2, _chat(structured_outputs={"regex": r"\p{Nd}+"})).text
+    assert _allows(smollm2, written_out, "\u0662\u0660") and _allows(smollm2, written_out, "20")
+
+
 def test_completions_take_a_constraint_too(smollm2):
     req = parse_completion({"model": MODEL, "prompt": "The answer:", "response_format": JSON_SCHEMA})
     assert _grammar(smollm2, req) == _grammar(smollm2, _chat(response_format=JSON_SCHEMA))
