@@ -122,7 +122,7 @@ def create_app(settings: Optional[Settings] = None, client: Optional[redis.Redis
                      if chat else None)
         prompts = _tokenize(req, tokenizer, chat, tool_spec)
         # The constraint, checked before anything is queued; its jobs carry only its hash.
-        grammar = grammars.for_request(req, tokenizer, tool_spec)
+        grammar = grammars.for_request(req, tokenizer, tool_spec, settings.open_objects)
         if grammar is not None:
             req.params = replace(req.params, grammar=grammar.digest)
         request_id = uuid.uuid4().hex[:24]
@@ -130,6 +130,7 @@ def create_app(settings: Optional[Settings] = None, client: Optional[redis.Redis
         prompt_tokens = sum(len(p) for p in prompts)
         shape = Shape(request_id, req.model, chat, tool_spec)
         shape.n = req.n
+        shape.unenforced = grammar.relaxed if grammar is not None else ()
         if req.params.logprobs is not None or req.echo:
             shape.rendering = Rendering(tokenizer, chat, req.params.logprobs is not None,
                                         _echo_texts(req, tokenizer) if req.echo else None)

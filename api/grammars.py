@@ -42,7 +42,7 @@ from typing import Optional
 import llguidance
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
-from api import tool_formats, tools
+from api import schemas, tool_formats, tools
 from api.errors import bad_request
 from shared import keys
 
@@ -50,6 +50,9 @@ MAX_GRAMMAR_BYTES = 64 * 1024  # a grammar's text at most (a schema's JSON, a re
 OFF_LOOP_BYTES = 8 * 1024      # from this size on, a check leaves gevent's loop (~3 ms and up)
 MAX_CHECKED = 4096             # grammars remembered as good, per tokenizer
 JSON_DEFAULTS = {"whitespace_flexible": False}
+# Where strict was not asked: what llguidance cannot enforce is left out (uniqueItems, not,
+# if/then, unknown formats), oneOf is read as anyOf, and the answer names them (Grammar.relaxed).
+LENIENT = {**JSON_DEFAULTS, "lenient": True, "coerce_one_of": True}
 SCHEMA_NAME_MAX = 64
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 JSON_SCHEMA_FIELDS = ("name", "schema", "strict", "description")
@@ -59,11 +62,14 @@ JSON_SCHEMA_FIELDS = ("name", "schema", "strict", "description")
 class Grammar:
     text: str    # what llguidance.LLMatcher takes as its grammar
     digest: str  # sha256 hex of the text: params.grammar, and the Redis key's last part
+    relaxed: tuple = ()  # what of the schema is not enforced (strict not asked): the answer's `unenforced`
 
 
-def for_request(req, tokenizer, tool_spec: Optional[tools.ToolSpec]) -> Optional[Grammar]:
+def for_request(req, tokenizer, tool_spec: Optional[tools.ToolSpec], open_objects: bool = False) -> Optional[Grammar]:
     """The request's constraint, compiled and checked, or None; a 400 naming the field otherwise.
-    `req` is an api.validation.CompletionRequest, `tokenizer` an api.tokenizers.Tokenizer."""
+    `req` is an api.validation.CompletionRequest, `tokenizer` an api.tokenizers.Tokenizer;
+    `open_objects` (Settings.open_objects): schemas' objects as JSON Schema reads them, not closed
+    (api/schemas.py)."""
     given = [name for name, value in (("response_format", req.response_format),
                                       ("structured_outputs", req.structured_outputs),
                                       ("tools", tool_spec)) if value is not None]
@@ -73,23 +79,29 @@ def for_request(req, tokenizer, tool_spec: Optional[tools.ToolSpec]) -> Optional
                           f"'{given[0]}')", param=given[1], code="invalid_value")
     if not given:
         return None
+    closing = (lambda schema: schema) if open_objects else schemas.closed
     if tool_spec is not None:
-        return _tools(tool_spec, tokenizer)
+        return _tools(tool_spec, tokenizer, closing)
     if req.response_format is not None:
-        text, param = _response_format(req.response_format)
+        text, param = _response_format(req.response_format, closing)
     else:
-        text, param = _structured_outputs(req.structured_outputs)
+        text, param = _structured_outputs(req.structured_outputs, closing)
     return check(text, param, tokenizer)
 
 
-def _json_grammar(schema, param: str) -> str:
+def _json_grammar(schema, param: str, strict: bool = True) -> str:
+    """The schema's grammar; where strict was not asked and llguidance cannot enforce all of it, the
+    lenient one (a schema it can enforce whole gets the same text either way, so the same hash)."""
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
+        text = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
+        if strict or not llguidance.LLMatcher.validate_grammar(text, None):
+            return text
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=LENIENT)
     except (ValueError, TypeError) as exc:
         raise bad_request(f"'{param}' is not a JSON Schema object: {exc}", param=param, code="invalid_value")
 
 
-def _response_format(response_format: dict) -> tuple[str, str]:
+def _response_format(response_format: dict, closing) -> tuple[str, str]:
     kind = response_format["type"]  # json_object or json_schema (api/validation.py checked it)
     _only_fields(response_format, ("type", "json_schema") if kind == "json_schema" else ("type",),
                  "response_format")
@@ -113,7 +125,7 @@ def _response_format(response_format: dict) -> tuple[str, str]:
     if not isinstance(schema, dict):
         raise bad_request(f"'{where}.schema' must be a JSON Schema object", param=f"{where}.schema",
                           code="invalid_type")
-    return _json_grammar(schema, f"{where}.schema"), f"{where}.schema"
+    return _json_grammar(closing(schema), f"{where}.schema", spec.get("strict") is True), f"{where}.schema"
 
 
 def _regex_grammar(regex: str) -> str:
@@ -123,7 +135,7 @@ def _regex_grammar(regex: str) -> str:
     return llguidance.LLMatcher.grammar_from_lark(f"start: /{llguidance.regex_to_lark(regex, use_ascii='dw')}/")
 
 
-def _structured_outputs(options: dict) -> tuple[str, str]:
+def _structured_outputs(options: dict, closing) -> tuple[str, str]:
     for key in options:
         if key not in STRUCTURED_KINDS:
             raise bad_request(f"'structured_outputs.{key}' is not supported by this server (it takes one of "
@@ -151,7 +163,7 @@ def _structured_outputs(options: dict) -> tuple[str, str]:
                 raise bad_request(f"'{param}' is not valid JSON: {exc}", param=param, code="invalid_value")
         if not isinstance(value, dict):
             raise wrong("a JSON Schema (an object, or its JSON text)")
-        return _json_grammar(value, param), param
+        return _json_grammar(closing(value), param, strict=False), param  # vLLM's field has no strict
     if kind == "regex":
         if not isinstance(value, str) or not value:
             raise wrong("a non-empty string (a regular expression)")
@@ -180,22 +192,26 @@ def _only_fields(obj: dict, known: tuple, where: str) -> None:
                               code="unknown_parameter")
 
 
-def _tools(tool_spec: tools.ToolSpec, tokenizer) -> Grammar:
+def _tools(tool_spec: tools.ToolSpec, tokenizer, closing) -> Grammar:
     """Calls of the allowed functions in the model's format (api/tool_formats.py), or (auto) text or
     calls. Each parameter schema is checked on its own first, so a fault is named by its place in
     `tools` (inside an anyOf, llguidance would quietly drop a function whose schema nothing
     satisfies)."""
+    relax = False  # whether a function's schema (not strict) was relaxed
     for i, function in enumerate(tool_spec.functions):
         param = f"tools[{i}].function.parameters"
-        check(_json_grammar(function["parameters"], param), param, tokenizer)
+        strict = function["name"] in tool_spec.strict
+        relax |= bool(check(_json_grammar(closing(function["parameters"]), param, strict), param, tokenizer).relaxed)
     fmt = tool_spec.format
-    options = JSON_DEFAULTS if fmt is tool_formats.JSON else {  # the spacing its template writes
-        **JSON_DEFAULTS, "item_separator": fmt.item_separator, "key_separator": fmt.key_separator}
-    schema = {**tools.call_schema(tool_spec), "x-guidance": options}
+    # A strict function's schema passed whole above: relaxing the call's schema relaxes only the others'.
+    options = LENIENT if relax else JSON_DEFAULTS
+    if fmt is not tool_formats.JSON:  # the spacing its template writes
+        options = {**options, "item_separator": fmt.item_separator, "key_separator": fmt.key_separator}
+    schema = {**closing(tools.call_schema(tool_spec)), "x-guidance": options}
     if fmt.opener:
         text = llguidance.LLMatcher.grammar_from_lark(_tagged_calls(fmt, schema, tool_spec, tokenizer))
     elif tool_spec.required:
-        text = _json_grammar(schema, "tools")
+        text = _json_grammar(schema, "tools", not relax)
     else:  # text that does not start with "{" (after whitespace), or a call, which may follow some
         text = llguidance.LLMatcher.grammar_from_lark(
             "start: TEXT | call\n"
@@ -260,23 +276,45 @@ def check(text: str, param: str, tokenizer) -> Grammar:
     if size > MAX_GRAMMAR_BYTES:
         raise bad_request(f"'{param}' makes a grammar of {size} bytes, more than this server's "
                           f"{MAX_GRAMMAR_BYTES}", param=param, code="invalid_value")
-    grammar = Grammar(text, hashlib.sha256(text.encode()).hexdigest())
+    digest = hashlib.sha256(text.encode()).hexdigest()
     with _checked_lock:
         good = _checked.setdefault(tokenizer, OrderedDict())
-        if grammar.digest in good:
-            good.move_to_end(grammar.digest)
-            return grammar
+        if digest in good:
+            good.move_to_end(digest)
+            return Grammar(text, digest, good[digest])
     ll_tokenizer = tokenizer.llguidance()
-    validate = llguidance.LLMatcher.validate_grammar
-    error = _off_loop(validate, text, ll_tokenizer) if size >= OFF_LOOP_BYTES else validate(text, ll_tokenizer)
-    if error:
-        raise bad_request(f"'{param}' cannot be compiled: {error.strip()[:1000]}", param=param,
+    validate = llguidance.LLMatcher.validate_grammar_with_warnings
+    failed, messages = (_off_loop(validate, text, ll_tokenizer) if size >= OFF_LOOP_BYTES
+                        else validate(text, ll_tokenizer))
+    if failed:
+        raise bad_request(f"'{param}' cannot be compiled: {' '.join(messages).strip()[:1000]}", param=param,
                           code="invalid_value")
+    grammar = Grammar(text, digest, relaxed(messages))
     with _checked_lock:
-        good[grammar.digest] = True
+        good[digest] = grammar.relaxed
         while len(good) > MAX_CHECKED:
             good.popitem(last=False)
     return grammar
+
+
+def relaxed(warnings: list[str]) -> tuple[str, ...]:
+    """llguidance's warnings on a lenient grammar as the keywords it did not enforce: 'Unimplemented
+    keys: ["not"]' -> not, 'Unknown format: url' -> format: url, oneOf's -> oneOf (as anyOf)."""
+    words = set()
+    for warning in warnings:
+        if warning.startswith("Unimplemented keys:"):
+            try:
+                words.update(json.loads(warning.split(":", 1)[1]))
+                continue
+            except ValueError:
+                pass
+        if warning.startswith("Unknown format:"):
+            words.add("format: " + warning.split(":", 1)[1].strip())
+        elif warning.startswith("oneOf"):
+            words.add("oneOf (as anyOf)")
+        else:
+            words.add(warning.strip())
+    return tuple(sorted(words))
 
 
 def _off_loop(function, *args):

@@ -22,12 +22,17 @@ class Shape:
         self.created = int(time.time())
         self.rendering: Optional[Rendering] = None  # logprobs and echo (api/logprobs.py), set by the app
         self.n = 1  # choices per prompt (usage counts each prompt's cached tokens once)
+        # What of the request's schema is not enforced (strict not asked: api/grammars.LENIENT),
+        # said in every body as `unenforced`, absent when all of it is.
+        self.unenforced: tuple = ()
 
     def _envelope(self, object_name: str, choices: list, usage_body: Optional[dict] = None) -> dict:
         body = {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
                 "choices": choices}
         if usage_body is not None:
             body["usage"] = usage_body
+        if self.unenforced:
+            body["unenforced"] = list(self.unenforced)
         return body
 
     def whole(self, finals: list[Final], prompt_tokens: int) -> dict:

@@ -75,6 +75,13 @@ def _error_schemas() -> dict:
     }
 
 
+UNENFORCED = {"type": "array", "items": {"type": "string"}, "description": (
+    "present when the request's JSON schema was not asked to be strict and holds keywords the grammar "
+    "cannot enforce: they were left out (\"uniqueItems\", \"not\", \"format: uri-reference\") or read "
+    "more loosely (\"oneOf (as anyOf)\"), and the reply may break them. With strict: true such a "
+    "schema is a 400 naming the keyword instead (docs/structured-output.md)")}
+
+
 def _answer_schemas() -> dict:
     count = {"type": "integer", "minimum": 0}
     finish = {"type": ["string", "null"], "enum": ["stop", "length", "tool_calls", None],
@@ -126,7 +133,8 @@ def _answer_schemas() -> dict:
                 "required": ["id", "object", "created", "model", "choices"] + (["usage"] if usage_required else []),
                 "properties": {"id": {"type": "string"}, "object": {"type": "string", "enum": [object_name]},
                                "created": {"type": "integer"}, "model": {"type": "string"},
-                               "choices": {"type": "array", "items": choice}, "usage": _ref("schemas", "Usage")}}
+                               "choices": {"type": "array", "items": choice}, "usage": _ref("schemas", "Usage"),
+                               "unenforced": UNENFORCED}}
 
     def chat_choice(body_name: str, body: dict) -> dict:
         return {"type": "object", "required": ["index", body_name, "finish_reason"],

@@ -107,17 +107,23 @@ def _refused(no_op: dict, name: str) -> dict:
                            f"400 `unsupported_parameter`")
 
 
+STRICT = {"type": "boolean", "description": (
+    "true: the schema is enforced whole, and one with a keyword the grammar cannot enforce (uniqueItems, "
+    "not, if/then, an unknown format, an ambiguous oneOf) is a 400 naming it; otherwise such keywords "
+    "are relaxed and the answer's `unenforced` names them")}
+
+
 def constraint_schemas() -> dict:
     """response_format, vLLM's structured_outputs, chat's tools: what the reply must look like."""
     name = {"type": "string", "pattern": f"^{NAME_PATTERN.pattern}$"}
     schema = {"type": "object", "description": "a JSON Schema"}
     json_schema = {"type": "object", "required": ["name"], "additionalProperties": False,
                    "properties": {"name": name, "description": nullable({"type": "string"}),
-                                  "schema": nullable(schema), "strict": nullable({"type": "boolean"})}}
+                                  "schema": nullable(schema), "strict": nullable(STRICT)}}
     function = {"type": "object", "required": ["name"],
                 "properties": {"name": name, "description": nullable({"type": "string"}),
                                "parameters": nullable({**schema, "description": "a JSON Schema of the arguments"}),
-                               "strict": nullable({"type": "boolean"})}}
+                               "strict": nullable(STRICT)}}
     return {
         "ResponseFormat": {
             "description": "text (the default: no constraint), any JSON object, or JSON valid against a schema; "

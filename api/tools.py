@@ -51,12 +51,15 @@ class ToolSpec:
     of each tool, the parameters a JSON Schema of an object; `forced`: the one function a named
     tool_choice allows; `required`: the reply must be a call (required or named), else "auto";
     `format`: the model's call syntax; `parallel`: several calls a reply (where the format has
-    them and the request allows them)."""
+    them and the request allows them); `strict`: the functions whose `strict` is true (their
+    schemas are enforced whole or refused; the others' are relaxed where llguidance cannot
+    enforce a keyword: api/grammars.py)."""
     functions: tuple
     required: bool
     forced: Optional[str] = None
     format: ToolFormat = tool_formats.JSON
     parallel: bool = False
+    strict: tuple = ()
 
     @property
     def allowed(self) -> list[dict]:
@@ -79,7 +82,8 @@ def spec(tools: Optional[list], tool_choice, tool_format: ToolFormat = tool_form
                               code="invalid_value")
         functions.append({"name": function["name"], "description": function.get("description") or "",
                           "parameters": parameters(function.get("parameters"), f"tools[{i}].function.parameters")})
-    how = {"format": tool_format, "parallel": tool_format.parallel and parallel_tool_calls is not False}
+    how = {"format": tool_format, "parallel": tool_format.parallel and parallel_tool_calls is not False,
+           "strict": tuple(t["function"]["name"] for t in tools if t["function"].get("strict") is True)}
     if isinstance(tool_choice, dict):
         return ToolSpec(tuple(functions), required=True, forced=tool_choice["function"]["name"], **how)
     return ToolSpec(tuple(functions), required=tool_choice == "required", **how)

@@ -54,6 +54,10 @@ class Settings:
                                   "across API processes (0: no limit)")
     lenient: bool = _setting(False, "log and ignore request fields this API does not know, instead of a 400 "
                                     "(for clients that send extras)")
+    open_objects: bool = _setting(False, "JSON schemas' objects take properties they do not declare (JSON "
+                                         "Schema's own reading); off: an object that declares its properties "
+                                         "is closed unless it says additionalProperties, as xgrammar and "
+                                         "Outlines read it (docs/structured-output.md)")
     # The batch API
     files_dir: str = _setting("", "directory for uploaded and batch output files, shared by the API and "
                                   "the batch worker (empty: in Redis)")

@@ -106,6 +106,84 @@ def test_a_regexs_classes_mean_what_a_json_schemas_pattern_means(smollm2):
     assert _allows(smollm2, written_out, "\u0662\u0660") and _allows(smollm2, written_out, "20")
 
 
+ORDER = {"type": "object", "properties": {  # a real-world shape: nothing says additionalProperties
+    "item": {"type": "string"}, "count": {"type": "integer"},
+    "ship_to": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    "notes": {"type": "object"},  # declares no properties: any object, as written
+    "extra": {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True},
+    "both": {"allOf": [{"type": "object", "properties": {"x": {"type": "integer"}}},
+                       {"type": "object", "properties": {"y": {"type": "integer"}}}]}},
+    "required": ["item", "count"]}
+
+
+def test_objects_are_closed_unless_the_schema_says_otherwise(smollm2):
+    """Properties a schema does not declare are not written (xgrammar's and Outlines' reading), in
+    schemas and in tools' parameters; what a schema says explicitly stands; OPEN_OBJECTS=1 restores
+    JSON Schema's own reading."""
+    def allowed(text: str, open_objects: bool = False, **fields) -> bool:
+        req = _chat(**(fields or _schema(ORDER)))
+        spec = __import__("api.tools", fromlist=["spec"]).spec(req.tools, req.tool_choice)
+        return _allows(smollm2, grammars.for_request(req, smollm2, spec, open_objects).text, text)
+
+    good = '{"item":"rope","count":2,"ship_to":{"city":"Rome"},"notes":{"any":[1]},"extra":{"a":1,"b":2},' \
+           '"both":{"x":1,"y":2}}'
+    assert allowed(good)
+    for stray in ('{"item":"rope","count":2,"colour":"red"}',  # at the top
+                  '{"item":"rope","count":2,"ship_to":{"city":"Rome","zip":"00100"}}'):  # nested
+        assert not allowed(stray), stray
+        assert allowed(stray, open_objects=True), stray
+    # an allOf's parts stay open: closing them (or the whole) would refuse each other's properties
+    assert allowed('{"item":"rope","count":2,"both":{"x":1,"z":3}}')
+    tool = {"tools": [WEATHER], "tool_choice": "required"}
+    assert allowed('{"name":"get_weather","arguments":{"city":"Rome"}}', **tool)
+    assert not allowed('{"name":"get_weather","arguments":{"city":"Rome","description":"x"}}', **tool)
+    assert allowed('{"name":"get_weather","arguments":{"city":"Rome","description":"x"}}', True, **tool)
+    assert allowed('{"x":{"y":1}}', response_format={"type": "json_object"})  # any object, as asked
+
+
+def test_closing_a_schema_leaves_the_clients_schema_as_it_was():
+    from api import schemas
+    before = json.dumps(ORDER)
+    after = schemas.closed(ORDER)
+    assert json.dumps(ORDER) == before and after["additionalProperties"] is False
+    assert after["properties"]["ship_to"]["additionalProperties"] is False
+    assert "additionalProperties" not in after["properties"]["notes"]
+    assert after["properties"]["extra"]["additionalProperties"] is True
+    assert all("additionalProperties" not in part for part in after["properties"]["both"]["allOf"])
+    defs = schemas.closed({"$defs": {"P": {"properties": {"a": {}}}}, "items": [{"properties": {"b": {}}}],
+                           "anyOf": [{"properties": {"c": {}}}]})
+    assert defs["$defs"]["P"]["additionalProperties"] is False and defs["items"][0]["additionalProperties"] is False
+    assert defs["anyOf"][0]["additionalProperties"] is False
+
+
+LOOSE = {"type": "object", "properties": {  # keywords llguidance cannot enforce
+    "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+    "home": {"type": "string", "format": "uri-reference"},
+    "id": {"oneOf": [{"type": "integer"}, {"type": "number"}]},
+    "name": {"type": "string", "not": {"const": ""}}}, "required": ["tags", "id"]}
+
+
+def test_where_strict_was_not_asked_what_cannot_be_enforced_is_relaxed_and_named(smollm2):
+    """strict: true keeps the refusal naming the keyword; without it the schema is compiled
+    leniently and the grammar names what it left out (the answer's `unenforced`)."""
+    with pytest.raises(ApiError) as refused:
+        _grammar(smollm2, _chat(**_strict(LOOSE)))
+    assert refused.value.param == "response_format.json_schema.schema"
+    words = ("format: uri-reference", "not", "oneOf (as anyOf)", "uniqueItems")
+    for fields in (_schema(LOOSE), {"structured_outputs": {"json": LOOSE}}):
+        grammar = _grammar(smollm2, _chat(**fields))
+        assert grammar.relaxed == words
+        assert _allows(smollm2, grammar.text, '{"tags":["a","a"],"home":"x y","id":3}')  # in the schema's order
+        assert not _allows(smollm2, grammar.text, '{"tags":["a"]}')  # what it can enforce, it does
+    assert _grammar(smollm2, _chat(**_schema(NPC))).relaxed == ()
+    loose_tool = {"type": "function", "function": {"name": "tag", "parameters": LOOSE}}
+    assert _grammar(smollm2, _chat(tools=[loose_tool], tool_choice="required")).relaxed == words
+    strict_tool = {"type": "function", "function": {"name": "tag", "parameters": LOOSE, "strict": True}}
+    with pytest.raises(ApiError) as refused:
+        _grammar(smollm2, _chat(tools=[WEATHER, strict_tool], tool_choice="required"))
+    assert refused.value.param == "tools[1].function.parameters"
+
+
 def test_completions_take_a_constraint_too(smollm2):
     req = parse_completion({"model": MODEL, "prompt": "The answer:", "response_format": JSON_SCHEMA})
     assert _grammar(smollm2, req) == _grammar(smollm2, _chat(response_format=JSON_SCHEMA))
@@ -117,6 +195,10 @@ def _schema(schema) -> dict:
     return {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
 
 
+def _strict(schema) -> dict:
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": True}}}
+
+
 BIG = {"type": "object", "properties": {f"field_{i}": {"enum": [f"value_{i}_{j}" for j in range(20)]}
                                         for i in range(300)}}
 
@@ -124,7 +206,8 @@ BIG = {"type": "object", "properties": {f"field_{i}": {"enum": [f"value_{i}_{j}"
 @pytest.mark.parametrize("fields, param", [
     (_schema({"type": "wat"}), "response_format.json_schema.schema"),
     (_schema({"type": "integer", "minimum": 5, "maximum": 1}), "response_format.json_schema.schema"),
-    (_schema({"type": "string", "format": "no-such-format"}), "response_format.json_schema.schema"),
+    (_strict({"type": "string", "format": "no-such-format"}), "response_format.json_schema.schema"),
+    (_strict({"type": "array", "uniqueItems": True}), "response_format.json_schema.schema"),
     (_schema([1]), "response_format.json_schema.schema"),
     (_schema(BIG), "response_format.json_schema.schema"),  # over MAX_GRAMMAR_BYTES
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": NPC}}}, "response_format.json_schema.name"),
