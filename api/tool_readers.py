@@ -247,16 +247,18 @@ class CallReader:
 
 
 def read_reply(text: str, finish_reason: str, tool_spec) -> tuple[Optional[str], Optional[list], str]:
-    """A whole reply as (content, tool_calls, finish_reason): whole calls that ended by themselves
-    are calls (content: the text before them, or None); anything else, a call cut short by
-    max_tokens included, is text."""
+    """A whole reply as (content, tool_calls, finish_reason), as the stream of it says: whole calls
+    that ended by themselves are calls, "tool_calls" (content: the text before them, or None); calls
+    cut by max_tokens once their names were written are calls too, with the arguments written so
+    far (maybe incomplete JSON, as OpenAI documents), "length"; anything else is text."""
     reader = CallReader(tool_spec)
     reader.feed(text)
     _, reason = reader.finish(finish_reason)
-    if reason == "tool_calls" and all(_is_json(c.arguments) for c in reader.calls):
+    cut = reason == "length" and reader.calls
+    if cut or reason == "tool_calls" and all(_is_json(c.arguments) for c in reader.calls):
         calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                  for c in reader.calls]
-        return (reader.content if reader.content.strip() else None), calls, "tool_calls"
+        return (reader.content if reader.content.strip() else None), calls, reason
     return text, None, finish_reason
 
 

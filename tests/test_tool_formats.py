@@ -277,7 +277,9 @@ def test_qwen_text_without_a_whole_tag_stays_the_same_text(qwen, reply):
 def test_a_qwen_call_cut_short_keeps_its_finish_reason(qwen):
     spec = _spec(qwen, "required")
     cut = QWEN_PARIS + "\n" + QWEN_GOLD[:52]  # into the second call's arguments
-    assert tools.read_reply(cut, "length", spec) == (cut, None, "length")
+    content, calls, reason = tools.read_reply(cut, "length", spec)
+    assert content is None and reason == "length"
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "give_gold"]
     deltas, reason = _stream(spec, list(cut), "length")
     assert reason == "length" and [c["name"] for c in _streamed_calls(deltas)[1]] == ["get_weather", "give_gold"]
 

@@ -160,11 +160,18 @@ def test_a_whole_call_is_read_as_tool_calls():
         assert json.loads(call["function"]["arguments"]) == {"city": 'Pa}r"is{', "unit": "celsius"}
 
 
-def test_text_is_content_and_a_call_cut_short_stays_text():
+def test_text_is_content_and_a_call_cut_short_is_a_call_with_what_was_written():
+    """As OpenAI answers a call max_tokens cut: tool_calls with the arguments so far, "length"
+    (the whole reply says what its stream said)."""
     assert tools.read_reply("It is sunny.", "stop", _spec()) == ("It is sunny.", None, "stop")
-    assert tools.read_reply(CALL[:30], "length", _spec("required")) == (CALL[:30], None, "length")
+    content, calls, reason = tools.read_reply(CALL[:40], "length", _spec("required"))
+    assert content is None and reason == "length"
+    assert [c["function"] for c in calls] == [{"name": "get_weather", "arguments": CALL[CALL.index('{"city'):40]}]
     # A whole call that ran into max_tokens at its very end is still what OpenAI calls "length".
-    assert tools.read_reply(CALL, "length", _spec("required")) == (CALL, None, "length")
+    content, calls, reason = tools.read_reply(CALL, "length", _spec("required"))
+    assert reason == "length" and calls[0]["function"]["arguments"] == CALL_ARGUMENTS
+    # Cut inside the head, before the name: no call was written, so the text is content.
+    assert tools.read_reply(CALL[:10], "length", _spec("required")) == (CALL[:10], None, "length")
 
 
 def test_a_named_function_reads_only_its_own_calls():
