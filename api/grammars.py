@@ -29,6 +29,7 @@ is checked against is built once per tokenizer (api/tokenizers.py, ~0.4 s, holdi
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -69,7 +70,7 @@ def for_request(req, tokenizer, tool_spec: Optional[tools.ToolSpec], open_object
     """The request's constraint, compiled and checked, or None; a 400 naming the field otherwise.
     `req` is an api.validation.CompletionRequest, `tokenizer` an api.tokenizers.Tokenizer;
     `open_objects` (Settings.open_objects): schemas' objects as JSON Schema reads them, not closed
-    (api/schemas.py)."""
+    (api/schemas.py, which also bounds integers)."""
     given = [name for name, value in (("response_format", req.response_format),
                                       ("structured_outputs", req.structured_outputs),
                                       ("tools", tool_spec)) if value is not None]
@@ -79,7 +80,7 @@ def for_request(req, tokenizer, tool_spec: Optional[tools.ToolSpec], open_object
                           f"'{given[0]}')", param=given[1], code="invalid_value")
     if not given:
         return None
-    closing = (lambda schema: schema) if open_objects else schemas.closed
+    closing = functools.partial(schemas.read, open_objects=open_objects)
     if tool_spec is not None:
         return _tools(tool_spec, tokenizer, closing)
     if req.response_format is not None:

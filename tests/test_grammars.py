@@ -134,6 +134,9 @@ def test_objects_are_closed_unless_the_schema_says_otherwise(smollm2):
         assert allowed(stray, open_objects=True), stray
     # an allOf's parts stay open: closing them (or the whole) would refuse each other's properties
     assert allowed('{"item":"rope","count":2,"both":{"x":1,"z":3}}')
+    # an integer without bounds stays within JavaScript's safe integers (SmolLM2 wrote digits until max_tokens)
+    assert allowed('{"item":"rope","count":-9007199254740991}')
+    assert not allowed('{"item":"rope","count":9007199254740992}')
     tool = {"tools": [WEATHER], "tool_choice": "required"}
     assert allowed('{"name":"get_weather","arguments":{"city":"Rome"}}', **tool)
     assert not allowed('{"name":"get_weather","arguments":{"city":"Rome","description":"x"}}', **tool)
@@ -141,16 +144,21 @@ def test_objects_are_closed_unless_the_schema_says_otherwise(smollm2):
     assert allowed('{"x":{"y":1}}', response_format={"type": "json_object"})  # any object, as asked
 
 
-def test_closing_a_schema_leaves_the_clients_schema_as_it_was():
+def test_reading_a_schema_leaves_the_clients_schema_as_it_was():
     from api import schemas
     before = json.dumps(ORDER)
-    after = schemas.closed(ORDER)
+    after = schemas.read(ORDER)
     assert json.dumps(ORDER) == before and after["additionalProperties"] is False
+    assert after["properties"]["count"] == {"type": "integer", "minimum": -(2 ** 53 - 1), "maximum": 2 ** 53 - 1}
+    assert schemas.read({"type": "integer", "exclusiveMinimum": 0}) == {"type": "integer", "exclusiveMinimum": 0,
+                                                                         "maximum": 2 ** 53 - 1}
+    assert schemas.read(ORDER, open_objects=True)["properties"]["ship_to"] == \
+        {**ORDER["properties"]["ship_to"]}  # open: objects as written
     assert after["properties"]["ship_to"]["additionalProperties"] is False
     assert "additionalProperties" not in after["properties"]["notes"]
     assert after["properties"]["extra"]["additionalProperties"] is True
     assert all("additionalProperties" not in part for part in after["properties"]["both"]["allOf"])
-    defs = schemas.closed({"$defs": {"P": {"properties": {"a": {}}}}, "items": [{"properties": {"b": {}}}],
+    defs = schemas.read({"$defs": {"P": {"properties": {"a": {}}}}, "items": [{"properties": {"b": {}}}],
                            "anyOf": [{"properties": {"c": {}}}]})
     assert defs["$defs"]["P"]["additionalProperties"] is False and defs["items"][0]["additionalProperties"] is False
     assert defs["anyOf"][0]["additionalProperties"] is False
