@@ -152,7 +152,7 @@ def main(argv=None) -> int:
 def _plot(results: dict, path: Path) -> None:
     """A stacked bar per mode and collection: where the replies went."""
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(10, 4.5))
+    fig, ax = plt.subplots(figsize=(11, 4.5))
     colours = {"valid": "#2a9d8f", "relaxed": "#8ab17d", "invalid": "#e63946", "cut": "#f4a261",
                "refused": "#8d99ae", "error": "#000000"}
     labels, ticks, x = [], [], 0.0
@@ -162,14 +162,14 @@ def _plot(results: dict, path: Path) -> None:
             for kind in KINDS:
                 ax.bar(x, counts[kind], bottom=bottom, color=colours[kind], label=kind if not ticks else None)
                 bottom += counts[kind]
-            labels.append(f"{mode}\n{part}")
+            labels.append(f"{mode}\n{part.replace('_', chr(10))}")
             ticks.append(x)
             x += 1
         x += 0.5  # a gap between the modes
     ax.set_xticks(ticks, labels, fontsize=7)
     ax.set_ylabel("replies")
     ax.set_title("Real-world schemas, SmolLM2 greedy: where the replies went")
-    ax.legend(fontsize=8, ncols=len(KINDS))
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     save_figure(fig, path)
 
 
