@@ -120,7 +120,12 @@ def test_smollm2_batch_writes_what_each_request_writes_alone(smollm2):
     assert together == alone
 
 
-def _continuous(loaded, settings=Settings(int4_rows=0)):
+# The cache in the model's dtype: these hold the engine's model code to transformers' numbers (a
+# float16 cache beside float32, --kv-dtype auto on a CPU without bf16, rounds keys and values).
+EXACT = Settings(int4_rows=0, kv_dtype="model")
+
+
+def _continuous(loaded, settings=EXACT):
     return continuous.build(loaded, settings, loaded.model.state_dict(), loaded.config)
 
 
@@ -152,5 +157,5 @@ def test_the_gguf_read_straight_runs_like_transformers_load(smollm2):
     direct = load(PACKAGED, dtype="float32", device="cpu", transformers_model=False)
     assert direct.model is None and direct.eos_ids == smollm2.eos_ids
     job = _chat_job(smollm2, "d", "Tell a short story about a knight.", 30)
-    engine = continuous.build(direct, Settings(int4_rows=0), direct.weights(), direct.config)
+    engine = continuous.build(direct, EXACT, direct.weights(), direct.config)
     assert write(engine, [job])[0].output_ids == _run(smollm2, [job])[0].output_ids
