@@ -17,8 +17,11 @@ every job, and the worker compiles it once per digest (with its own logit width)
 
 JSON is written compact (no whitespace between tokens, llguidance's whitespace_flexible off), so
 a small model cannot wander into endless blank lines; a schema's own "x-guidance" options
-(llguidance's, e.g. {"whitespace_flexible": true}) override that. `strict` changes nothing: every
-schema is enforced.
+(llguidance's, e.g. {"whitespace_flexible": true}) override that. A schema is read as
+api/schemas.py says (objects closed unless they say otherwise, integers within JavaScript's safe
+range). `strict: true` enforces it whole or refuses it naming the keyword; without it, what
+llguidance cannot enforce is relaxed (LENIENT) and named (Grammar.relaxed, the answer's
+`unenforced`). A `regex` reads \\d and \\w as ASCII, as a schema's `pattern` does.
 
 Cost (SmolLM2's 49,152 tokens, this 2-core machine; docs/serving.md, Structured output): a
 typical schema checks in 0.2-2 ms, a 20 KB grammar in ~9 ms, a 48 KB one in ~28 ms, so a grammar is
