@@ -98,11 +98,18 @@ def _json_grammar(schema, param: str, strict: bool = True) -> str:
     lenient one (a schema it can enforce whole gets the same text either way, so the same hash)."""
     try:
         text = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
-        if strict or not llguidance.LLMatcher.validate_grammar(text, None):
+        if strict or _enforceable(text):
             return text
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=LENIENT)
     except (ValueError, TypeError) as exc:
         raise bad_request(f"'{param}' is not a JSON Schema object: {exc}", param=param, code="invalid_value")
+
+
+@functools.lru_cache(maxsize=MAX_CHECKED)
+def _enforceable(text: str) -> bool:
+    """Whether llguidance enforces all of a JSON grammar (no tokenizer needed to tell): remembered,
+    as the check is, so a schema's later requests do not compile it again (0.8 ms, up to 4)."""
+    return not llguidance.LLMatcher.validate_grammar(text, None)
 
 
 def _response_format(response_format: dict, closing) -> tuple[str, str]:

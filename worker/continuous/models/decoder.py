@@ -19,6 +19,7 @@ a row whatever its step holds: the same bits for a request alone or in a crowd (
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -230,6 +231,12 @@ class Decoder:
     def linears(self) -> list:
         return [b[name] for b in self.blocks for name in ("qkv", "o", "gate_up", "down")] + [self.head]
 
+    @functools.cached_property
+    def act(self):
+        """The activation as torch's layers run it (where the C++ decoder does not): looked up once,
+        at first use, since transformers.activations costs ~80 MiB to import."""
+        return activation_function(self.act_name)
+
     def rows_decoder(self, kernel) -> bool:
         """Whether every step runs in the C++ decoder (its norms, rotary and attention, row by row)."""
         return self._fused(kernel) is not None
@@ -280,7 +287,7 @@ class Decoder:
             out = b["o"](attention.attend(q, cache, layer, step, self.scale, self.windows[layer]).reshape(tokens, -1))
             x = x + (out if b["post_attn_norm"] is None else self._norm(out, b["post_attn_norm"]))
             gate, up = b["gate_up"](self._norm(x, b["norm2"])).chunk(2, dim=-1)
-            out = b["down"](activation_function(self.act_name)(gate) * up)
+            out = b["down"](self.act(gate) * up)
             x = x + (out if b["post_ffn_norm"] is None else self._norm(out, b["post_ffn_norm"]))
         return x
 
