@@ -34,6 +34,7 @@ KV_CACHE_USAGE = f"{PREFIX}_kv_cache_usage_ratio"      # blocks in use / blocks 
 PREEMPTIONS = f"{PREFIX}_preemptions_total"
 PREFIX_CACHE_HITS = f"{PREFIX}_prefix_cache_hits_total"  # prompt blocks found in the cache
 GENERATED_TOKENS = f"{PREFIX}_generated_tokens_total"  # tokens the engine wrote (tokens/s)
+FORCED_TOKENS = f"{PREFIX}_forced_tokens_total"  # of those, tokens a grammar forced (no step of their own)
 REQUEUED_JOBS = f"{PREFIX}_requeued_jobs_total"        # jobs of dead workers put back
 # Tokens a requeued job's new worker took from its record (keys.written) instead of decoding again.
 RESUMED_TOKENS = f"{PREFIX}_resumed_tokens_total"

@@ -107,6 +107,10 @@ class Settings:
                                       "prefill-first")
     prefix_caching: bool = _setting(True, "share the KV blocks of prompts that start alike (a game's "
                                           "shared system prompt)")
+    jump_forward: bool = _setting(True, "where a request's grammar allows exactly one next token (a key, "
+                                        "punctuation, the rest of an enum value), append it without a step "
+                                        "of its own: the forced run is computed as one chunk; the same text "
+                                        "(docs/structured-output.md)")
     int4_rows: int = _setting(-1, "run the model's quantized layers (the GGUF's Q4_1 blocks and Q8_0 "
                                   "head) on the quantized kernel for steps of up to this many tokens, "
                                   "the dense product beyond (-1: every step, one numeric path whatever "

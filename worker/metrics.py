@@ -79,7 +79,8 @@ class EngineCollector:
               ("kv_usage", names.KV_CACHE_USAGE, "KV-cache blocks in use / blocks in the pool")]
     COUNTERS = [("preempted", names.PREEMPTIONS, "Running sequences set back for lack of KV cache"),
                 ("prefix_hit_blocks", names.PREFIX_CACHE_HITS, "Prompt KV blocks found in the cache"),
-                ("generated", names.GENERATED_TOKENS, "Tokens the engine wrote")]
+                ("generated", names.GENERATED_TOKENS, "Tokens the engine wrote"),
+                ("forced", names.FORCED_TOKENS, "Tokens a grammar forced, written without a step of their own")]
 
     def __init__(self, model: str, engine: Engine, requeued: Tally, crashed: Tally, left: Tally = None):
         self.model, self.engine = model, engine

@@ -99,6 +99,21 @@ class Sequence:
         elif len(self.output_ids) >= self.params.max_tokens:
             self._finish("length")
 
+    def take_forced(self):
+        """Append the tokens the grammar forces from here, each as a step would have picked it
+        (worker/constraint.py `forced`), and yield them. A sampled request draws from its generator
+        for each, as its step would have (worker/sampling.py), so what follows is drawn as step by
+        step and a resume replays them as any other token. Not where logprobs are asked: those come
+        from the logits of a step."""
+        while self.constraint is not None and self.logprobs is None and not self.finished:
+            token = self.constraint.forced()
+            if token is None or token in self.stop_ids:  # an end is left to the step's own rules (min_tokens)
+                return
+            if not self.params.greedy:
+                torch.rand((), generator=self.generator)
+            self.append(token)
+            yield token
+
     def _resume(self, written: list[int]) -> None:
         """Continue where an earlier attempt stopped: each of its tokens is taken as it took it, so
         the text, the detokenizer's window and the stop-string check are what that attempt had, and

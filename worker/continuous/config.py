@@ -28,6 +28,7 @@ class EngineConfig:
     step_fill: int
     max_stretch: float
     scheduler: str  # its policy: fifo | prefill-first
+    jump_forward: bool  # a grammar's forced tokens appended without a step each
     # The products (worker/continuous/linear.py)
     int4_rows: int  # 0 off the CPU: a GPU runs torch's products
     int4_head: bool

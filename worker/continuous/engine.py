@@ -144,9 +144,9 @@ class ContinuousEngine:
         self.last_batch = len(plan)
         if not plan:
             return []
-        start = time.perf_counter()
+        start, forced = time.perf_counter(), self.scheduler.forced
         produced = self.runner.run(plan)
-        self.generated += len(produced)
+        self.generated += len(produced) + self.scheduler.forced - forced
         return self.scheduler.postprocess(plan, produced, time.perf_counter() - start)
 
     def reset(self) -> list[Sequence]:
@@ -157,7 +157,8 @@ class ContinuousEngine:
         return {"kv_blocks": self.blocks.num_blocks, "kv_usage": round(self.blocks.usage(), 4),
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "prefix_hit_tokens": self.blocks.hits, "prefix_hit_blocks": self.blocks.hits // self.blocks.block_size,
-                "preempted": self.scheduler.preempted, "generated": self.generated}
+                "preempted": self.scheduler.preempted, "generated": self.generated,
+                "forced": self.scheduler.forced}
 
 
 def build(loaded: LoadedModel, settings: Settings, tensors: dict, model_config):

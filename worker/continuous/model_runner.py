@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from worker.continuous.attention import Chunk, KVCache, StepLayout
-from worker.continuous.request import Request, Status
+from worker.continuous.request import Request
+from worker.continuous.scheduler import is_decode
 from worker import logprobs
 from worker.logits import adjust
 from worker.sampling import sample
@@ -74,7 +75,7 @@ class ModelRunner:
     def _layout(self, plan):
         size = self.block_size
         ids, positions, slots, last_rows, sampled, chunks = [], [], [], [], [], []
-        decodes = [req for req, _ in plan if req.status is Status.DECODING]  # first in the plan
+        decodes = [req for req, count in plan if is_decode(req, count)]  # first in the plan
         for req, count in plan:
             start, first = len(ids), req.computed
             span = range(first, first + count)

@@ -14,7 +14,7 @@ _arrivals = itertools.count()
 class Status(enum.Enum):
     PENDING = "pending"        # waiting for room in the cache (new, or set back by preemption)
     PREFILLING = "prefilling"  # its prompt is being computed, a chunk per step
-    DECODING = "decoding"      # one new token per step
+    DECODING = "decoding"      # one new token per step (and the tokens a grammar forced after it)
     FINISHED = "finished"
 
 
@@ -45,7 +45,17 @@ class Request:
     def to_compute(self) -> int:
         return len(self.tokens) - self.computed
 
-    def append(self, token: int, entry=None) -> None:
+    def append(self, token: int, entry=None, jump_forward: bool = False) -> int:
+        """The step's token, then with `jump_forward` those the grammar forces after it: all of them
+        are computed in the next step, as one chunk (worker/constraint.py). Returns how many were
+        forced."""
         self.seq.append(token, entry)  # entry: its logprobs, where asked (worker/logprobs.py)
-        if not self.seq.finished:
-            self.tokens.append(token)
+        if self.seq.finished:
+            return 0
+        self.tokens.append(token)
+        forced = 0
+        for token in self.seq.take_forced() if jump_forward else ():
+            forced += 1
+            if not self.seq.finished:  # the last token needs no KV: nothing follows it
+                self.tokens.append(token)
+        return forced

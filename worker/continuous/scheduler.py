@@ -39,6 +39,11 @@ MIN_PROMPT_SHARE = 16
 FILL_ATTENTION = 32768
 
 
+def is_decode(req: Request, count: int) -> bool:
+    """A plan's item that is one decoding token (the model runner's decode rows), not a chunk."""
+    return count == 1 and req.status is Status.DECODING
+
+
 class Scheduler:
     def __init__(self, blocks: BlockManager, config: EngineConfig, max_running: int, margin_blocks: int = 1,
                  pacer: Optional[Pacer] = None):
@@ -53,10 +58,12 @@ class Scheduler:
         self.pacer = pacer  # and no further than the streams' gaps allow, as timed
         self.max_running = max_running
         self.policy = config.scheduler
+        self.jump_forward = config.jump_forward  # a grammar's forced tokens, appended after each pick
         self.margin_blocks = margin_blocks
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # by arrival
         self.preempted = 0  # since start
+        self.forced = 0  # tokens a grammar forced, appended without a step of their own, since start
         self._preempted_now = False
 
     def add(self, req: Request) -> None:
@@ -84,7 +91,7 @@ class Scheduler:
             budget = self._prefills(plan, budget)
             budget = self._admit(plan, budget)
             self._decodes(plan, budget)
-        plan.sort(key=lambda item: item[0].status is not Status.DECODING)  # stable: decodes first
+        plan.sort(key=lambda item: not is_decode(*item))  # stable: one-token decodes first
         return plan
 
     def postprocess(self, plan: list[tuple[Request, int]], produced: list, elapsed_s: float) -> list[Sequence]:
@@ -92,7 +99,7 @@ class Scheduler:
         those that reached their end the token `produced` holds for them ((request, token, logprobs
         entry)), and retire the finished at once (their blocks back now, not at the next step).
         Returns the sequences that changed."""
-        decodes = sum(1 for req, _ in plan if req.status is Status.DECODING)
+        decodes = sum(1 for item in plan if is_decode(*item))
         if self.pacer:
             self.pacer.observe(decodes, sum(count for _, count in plan) - decodes, elapsed_s)
         for req, count in plan:
@@ -101,7 +108,7 @@ class Scheduler:
         changed = []
         for req, token, entry in produced:
             if not req.finished:  # cancelled while this step ran
-                req.append(token, entry)
+                self.forced += req.append(token, entry, self.jump_forward)
                 req.status = Status.DECODING
             changed.append(req.seq)
             if req.finished:
@@ -162,8 +169,11 @@ class Scheduler:
                 if victim is req:
                     break
             if req.status is Status.DECODING:
-                out.append((req, 1))
-                budget -= 1
+                # Its new token, and the tokens a grammar forced after it (Request.append): one
+                # chunk, as much of it as the budget holds (at least the one token).
+                count = max(1, min(req.to_compute, budget))
+                out.append((req, count))
+                budget -= count
         return budget
 
     def _prefills(self, out: list, budget: int) -> int:
