@@ -1,36 +1,27 @@
-"""The Flask app: OpenAI's completions and chat routes, in front of the Redis queue.
+"""The Flask app: its routes, its errors in OpenAI's shape, and its Redis client.
 
-A request's path: validate the body -> find a live worker of the model -> tokenize and check the
-context window -> subscribe to each job's channel, push the jobs -> answer whole or as a stream.
+A completions or chat request's path, from its body to its answer, is api/answer.py's.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
-import random
-import uuid
-from dataclasses import replace
 from typing import Optional
 
 import redis
-from flask import Flask, Response, jsonify, request
+from flask import Flask, jsonify
 from flask.json.provider import DefaultJSONProvider
 from redis.exceptions import RedisClusterException
 from redis.sentinel import SentinelConnectionPool
 from werkzeug.exceptions import HTTPException
 
-from api import auth, batches, grammars, tools
-from api import metrics
-from api.broker import Broker, Pending
-from api.errors import ApiError, bad_request, unavailable
-from api.openai_format import SSE_DONE, Shape, sse, usage
+from api import auth, batches, metrics
+from api.answer import Answerer
+from api.broker import Broker
+from api.errors import ApiError, unavailable
 from api.openapi import document
 from api.tokenizers import TokenizerCache
-from api.features import check_features
-from api.logprobs import Rendering, StreamState
-from api.validation import CompletionRequest, check_max_tokens, check_token_ids, parse_chat, parse_completion
-from shared.protocol import Failure, Final, Job, TextDelta, WorkerInfo
+from shared.protocol import WorkerInfo
 from shared.redis_client import connect, explain, is_cluster, is_sentinel
 from shared.settings import Settings
 
@@ -43,7 +34,7 @@ def create_app(settings: Optional[Settings] = None, client: Optional[redis.Redis
     settings = settings or Settings.from_env()
     client = client or redis_client(settings)
     broker = Broker(client, settings.worker_grace, settings.max_queue)
-    tokenizers = TokenizerCache(client)
+    answerer = Answerer(settings, client, broker, TokenizerCache(client))  # the pipeline: api/answer.py
     app = Flask(__name__)
     app.json = _JsonProvider(app)
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
@@ -103,50 +94,11 @@ def create_app(settings: Optional[Settings] = None, client: Optional[redis.Redis
 
     @app.post("/v1/completions")
     def completions():
-        return _answer(parse_completion(_json_body(), settings.lenient), chat=False)
+        return answerer.answer(chat=False)
 
     @app.post("/v1/chat/completions")
     def chat_completions():
-        return _answer(parse_chat(_json_body(), settings.lenient), chat=True)
-
-    def _answer(req: CompletionRequest, chat: bool):
-        workers = broker.workers_for(req.model)
-        check_features(req, workers)  # a field its workers cannot honour: refused, not dropped
-        check_max_tokens(req, workers[0].context_window)
-        check_token_ids(req, tokenizers.get(workers[0]).vocab_size)
-        cap = broker.admission.cap(workers)
-        # A full queue is refused before the costly part (tokenizing), so a crowd hears it at once.
-        broker.admission.check(req.model, req.n * (1 if chat else len(req.prompts)), cap)
-        tokenizer = tokenizers.get(workers[0])
-        tool_spec = (tools.spec(req.tools, req.tool_choice, tokenizer.tool_format, req.parallel_tool_calls)
-                     if chat else None)
-        prompts = _tokenize(req, tokenizer, chat, tool_spec)
-        # The constraint, checked before anything is queued; its jobs carry only its hash.
-        grammar = grammars.for_request(req, tokenizer, tool_spec, settings.open_objects)
-        if grammar is not None:
-            req.params = replace(req.params, grammar=grammar.digest)
-        request_id = uuid.uuid4().hex[:24]
-        jobs = _jobs(req, prompts, workers[0], request_id, settings.request_timeout)
-        prompt_tokens = sum(len(p) for p in prompts)
-        shape = Shape(request_id, req.model, chat, tool_spec)
-        shape.n = req.n
-        shape.unenforced = grammar.relaxed if grammar is not None else ()
-        if req.params.logprobs is not None or req.echo:
-            shape.rendering = Rendering(tokenizer, chat, req.params.logprobs is not None,
-                                        _echo_texts(req, tokenizer) if req.echo else None)
-        if grammar is not None:
-            grammars.store(client, req.model, grammar)  # before the jobs: a worker fetches it
-        pending = broker.submit(jobs, cap)
-        counted = metrics.Answer(req.model)
-        if req.stream:
-            return Response(_stream(pending, shape, req.include_usage, prompt_tokens, counted),
-                            mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
-        try:
-            body = shape.whole(_collect(pending), prompt_tokens)
-            counted.answered(body["usage"])
-            return jsonify(body)
-        finally:
-            pending.close()
+        return answerer.answer(chat=True)
 
     return app
 
@@ -207,163 +159,3 @@ class _JsonProvider(DefaultJSONProvider):
         except RecursionError:
             raise ValueError("the JSON nests too deeply") from None
 
-
-def _json_body():
-    body = request.get_json(force=True, silent=True)  # curl -d sends another Content-Type
-    if body is None:
-        raise bad_request("the body is not valid JSON",
-                          code="invalid_json")
-    try:  # a \ud800 escape decodes to a lone surrogate, which no tokenizer or Redis key takes
-        json.dumps(body, ensure_ascii=False).encode()
-    except UnicodeEncodeError:
-        raise bad_request("the body holds a lone surrogate (\\ud800-\\udfff): not valid Unicode",
-                          code="invalid_json")
-    return body
-
-
-def _tokenize(req: CompletionRequest, tokenizer, chat: bool,
-              tool_spec: Optional[tools.ToolSpec] = None) -> list[list[int]]:
-    if chat:
-        try:
-            return [tokenizer.encode_chat(req.messages, tool_spec)]
-        except ValueError as exc:
-            raise bad_request(str(exc), param="messages")
-    prompts = []
-    for prompt in req.prompts:
-        if isinstance(prompt, str):
-            prompts.append(tokenizer.encode(prompt))
-        elif max(prompt) >= tokenizer.vocab_size:
-            raise bad_request(f"token id {max(prompt)} is outside the vocabulary "
-                              f"(size {tokenizer.vocab_size})", param="prompt", code="invalid_value")
-        else:
-            prompts.append(list(prompt))
-    if not all(prompts):
-        raise bad_request("'prompt' must not be empty", param="prompt", code="invalid_value")
-    return prompts
-
-
-def _echo_texts(req: CompletionRequest, tokenizer) -> list[str]:
-    """Completions' echo: each choice's prompt (in the jobs' order), as given or its ids decoded."""
-    return [prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
-            for prompt in req.prompts for _ in range(req.n)]
-
-
-def _jobs(req: CompletionRequest, prompts: list[list[int]], worker: WorkerInfo,
-          request_id: str, timeout_s: float) -> list[Job]:
-    jobs = []
-    # Always a seed: a job written again after its worker died then writes the same text.
-    base_seed = req.params.seed if req.params.seed is not None else random.getrandbits(48)
-    for prompt in prompts:
-        room = worker.context_window - len(prompt)
-        if room < 1:
-            raise bad_request(
-                f"this model's maximum context length is {worker.context_window} tokens, and the prompt "
-                f"has {len(prompt)} tokens, which leaves no room to write: shorten the prompt",
-                param="messages" if req.messages else "prompt", code="context_length_exceeded")
-        # As the seed does: max_tokens beyond the room left is cut to the room.
-        max_tokens = min(req.max_tokens or room, room)
-        for choice in range(req.n):
-            params = replace(req.params, max_tokens=max_tokens, seed=base_seed + choice)
-            jobs.append(Job(id=f"{request_id}-{len(jobs)}", model=req.model, prompt_ids=prompt,
-                            params=params, timeout_s=timeout_s, stream=req.stream, priority=req.priority))
-    return jobs
-
-
-def _collect(pending: Pending) -> list[Final]:
-    finals: list[Optional[Final]] = [None] * len(pending.jobs)
-    for index, result in pending.results():
-        if isinstance(result, Failure):
-            raise _failure_error(result)
-        if isinstance(result, Final):
-            finals[index] = result
-    return finals
-
-
-def _failure_error(failure: Failure) -> ApiError:
-    return ApiError(504 if failure.code == "timeout" else 500, failure.message, code=failure.code)
-
-
-def _unsent(sent: str, offset: int, text: str) -> Optional[str]:
-    """What of `text`, which starts at `offset` of the answer, was not sent yet.
-
-    A job written again after its worker died repeats text already sent: that part is skipped,
-    and if it differs from what was sent, None says the stream cannot go on.
-    """
-    if offset > len(sent):
-        return ""  # a message was missed; the final answer carries the whole text
-    seen = sent[offset:offset + len(text)]
-    if text[:len(seen)] != seen:
-        return None
-    return text[len(seen):]
-
-
-def _stream(pending: Pending, shape: Shape, include_usage: bool, prompt_tokens: int,
-            counted: metrics.Answer):
-    """Server-sent events: a chunk per piece of text as the worker writes it, then [DONE]."""
-    sent = [""] * len(pending.jobs)
-    finals: list[Optional[Final]] = [None] * len(pending.jobs)
-    readers = [tools.CallReader(shape.tool_spec) for _ in pending.jobs] if shape.tool_spec else None
-    rendering, streamed = shape.rendering, StreamState(len(pending.jobs))  # api/logprobs.py
-    asked = rendering is not None and rendering.asked
-
-    def unsent_logprobs(index: int) -> Optional[dict]:
-        return rendering.piece(index, streamed.flush(index)) if asked else None
-    try:
-        if shape.chat:
-            for index in range(len(pending.jobs)):
-                yield sse(shape.chunk(index, first=True))
-        for index, result in pending.results():
-            if isinstance(result, Failure):
-                yield sse(counted.failed(_failure_error(result)).body())
-                return
-            if rendering is not None and rendering.echo and not streamed.echoed[index]:
-                streamed.echoed[index] = True  # completions' echo: the prompt (and its logprobs) first
-                yield sse(shape.chunk(index, rendering.echo[index],
-                                      logprobs=rendering.echo_piece(index, result.prompt_logprobs)))
-            new = _unsent(sent[index], result.offset if isinstance(result, TextDelta) else 0, result.text)
-            if new is None:
-                yield sse(counted.failed(ApiError(500, "the worker writing this answer died, and the worker "
-                                                  "that wrote it again wrote different text",
-                                                  code="retry_diverged")).body())
-                return
-            sent[index] += new
-            if new:
-                counted.text_sent()
-            if isinstance(result, Final):
-                finals[index] = result
-            if asked:  # the entries of the text it carries, those already sent skipped as its text is
-                streamed.take(index, result.logprobs, result.logprobs_start if isinstance(result, TextDelta) else 0)
-            if readers:  # a chat with tools: the reply as text, or as a tool call's deltas
-                chunks = _tool_chunks(shape, index, readers[index], new, result)
-                if chunks and asked:  # the first chunk of a piece carries its logprobs
-                    chunks[0]["choices"][0]["logprobs"] = unsent_logprobs(index)
-                for chunk in chunks:
-                    yield sse(chunk)
-            elif isinstance(result, Final):
-                yield sse(shape.chunk(index, new or None, finish_reason=result.finish_reason,
-                                      logprobs=unsent_logprobs(index)))
-            elif new or streamed.waiting[index]:
-                yield sse(shape.chunk(index, new, logprobs=unsent_logprobs(index)))
-        counted.answered(usage(prompt_tokens, finals, shape.n))
-        if include_usage:
-            yield sse(shape.usage_chunk(finals, prompt_tokens))
-        yield SSE_DONE
-    except ApiError as exc:
-        yield sse(counted.failed(exc).body())
-    except redis.RedisError as exc:
-        yield sse(counted.failed(unavailable(f"the job queue (Redis) is not reachable: {exc}")).body())
-    finally:  # also when the client went away: its jobs are cancelled
-        pending.close()
-
-
-def _tool_chunks(shape: Shape, index: int, reader: tools.CallReader, new: str, result) -> list[dict]:
-    """The chunks a piece of a reply with tools gives: content, or OpenAI's tool-call deltas; the
-    last piece's last chunk carries the finish_reason ("tool_calls" for a whole call)."""
-    deltas = reader.feed(new) if new else []
-    if not isinstance(result, Final):
-        return [shape.chunk(index, fields=delta) for delta in deltas]
-    last, finish_reason = reader.finish(result.finish_reason)
-    deltas += last
-    chunks = [shape.chunk(index, fields=delta) for delta in deltas[:-1]]
-    chunks.append(shape.chunk(index, fields=deltas[-1] if deltas else None, finish_reason=finish_reason))
-    return chunks

@@ -5,6 +5,8 @@ from typing import Optional
 
 from flask import jsonify
 
+from shared.protocol import Failure
+
 _TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
           401: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
           429: "rate_limit_error", 500: "server_error", 501: "server_error", 503: "service_unavailable",
@@ -37,3 +39,8 @@ def unavailable(message: str, retry_after: Optional[int] = None) -> ApiError:
 
 def too_many(message: str, code: str, retry_after: int) -> ApiError:
     return ApiError(429, message, code=code, retry_after=retry_after)
+
+
+def failure_error(failure: Failure) -> ApiError:
+    """A worker's failure of a job (shared/protocol.Failure) as its client's error."""
+    return ApiError(504 if failure.code == "timeout" else 500, failure.message, code=failure.code)

@@ -74,9 +74,7 @@ def for_request(req, tokenizer, tool_spec: Optional[tools.ToolSpec], open_object
     `req` is an api.validation.CompletionRequest, `tokenizer` an api.tokenizers.Tokenizer;
     `open_objects` (Settings.open_objects): schemas' objects as JSON Schema reads them, not closed
     (api/schemas.py, which also bounds integers)."""
-    given = [name for name, value in (("response_format", req.response_format),
-                                      ("structured_outputs", req.structured_outputs),
-                                      ("tools", tool_spec)) if value is not None]
+    given = req.constraints
     if len(given) > 1:
         raise bad_request(f"'{given[0]}' and '{given[1]}' cannot be used together: a reply follows "
                           f"one constraint (with tools, leave tool_choice \"none\" to use "
@@ -84,7 +82,7 @@ def for_request(req, tokenizer, tool_spec: Optional[tools.ToolSpec], open_object
     if not given:
         return None
     closing = functools.partial(schemas.read, open_objects=open_objects)
-    if tool_spec is not None:
+    if given == ["tools"]:  # tool_spec is then api/tools.spec's for the request
         return _tools(tool_spec, tokenizer, closing)
     if req.response_format is not None:
         text, param = _response_format(req.response_format, closing)

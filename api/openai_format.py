@@ -20,7 +20,7 @@ class Shape:
         self.chat = chat
         self.tool_spec = tool_spec  # a chat with tools: a reply may be a call (api/tools.py)
         self.created = int(time.time())
-        self.rendering: Optional[Rendering] = None  # logprobs and echo (api/logprobs.py), set by the app
+        self.rendering: Optional[Rendering] = None  # logprobs and echo (api/logprobs.py): api/answer.py sets it
         self.n = 1  # choices per prompt (usage counts each prompt's cached tokens once)
         # What of the request's schema is not enforced (strict not asked: api/grammars.LENIENT),
         # said in every body as `unenforced`, absent when all of it is.

@@ -66,12 +66,18 @@ class ToolSpec:
         return [f for f in self.functions if self.forced in (None, f["name"])]
 
 
+def in_use(tools: Optional[list], tool_choice) -> bool:
+    """Whether a request's tools take part in its reply: shown to the model, the reply constrained
+    to text or calls. With tool_choice "none" they do not (api/validation.CompletionRequest.constraints)."""
+    return bool(tools) and tool_choice not in (None, "none")
+
+
 def spec(tools: Optional[list], tool_choice, tool_format: ToolFormat = tool_formats.JSON,
          parallel_tool_calls: bool = True) -> Optional[ToolSpec]:
-    """The request's ToolSpec, or None when the reply is free (no tools, or tool_choice "none").
+    """The request's ToolSpec, or None when the reply is free (tools not in_use).
     `tools` and `tool_choice` come with their shape checked (api/chat_fields.py); `tool_format` is
     the model's (its api.tokenizers.Tokenizer.tool_format)."""
-    if not tools or tool_choice in (None, "none"):
+    if not in_use(tools, tool_choice):
         return None
     functions = []
     for i, tool in enumerate(tools):

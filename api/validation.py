@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-from api import chat_fields
+from api import chat_fields, tools
 from api.chat_fields import CHAT_ROLES, MAX_MESSAGES  # noqa: F401 (the API's limits, listed here)
 from api.errors import bad_request
 from shared.protocol import PRIORITY_DEFAULT, PRIORITY_MAX, PRIORITY_MIN, SamplingParams
@@ -84,6 +84,21 @@ class CompletionRequest:
     tools: Optional[list] = None  # chat
     tool_choice: Optional[Union[str, dict]] = None  # "none" | "auto" | "required" | a named function
     parallel_tool_calls: bool = True  # chat: several calls a reply, where the model's format has them
+    chat: bool = False  # the chat route's (messages), else the completions route's (prompts)
+
+    @property
+    def constraints(self) -> list[str]:
+        """The fields that constrain the reply, in the order errors name them. The one place that
+        says whether a request has a constraint: api/checks.py asks the workers for the grammar
+        feature by it, api/grammars.py compiles it (and refuses more than one)."""
+        return [name for name, given in (("response_format", self.response_format is not None),
+                                         ("structured_outputs", self.structured_outputs is not None),
+                                         ("tools", tools.in_use(self.tools, self.tool_choice))) if given]
+
+    @property
+    def choices(self) -> int:
+        """The jobs the request queues: n per prompt (a chat is one prompt)."""
+        return self.n * (1 if self.chat else len(self.prompts))
 
 
 def _kind_ok(value, kind) -> bool:
@@ -263,7 +278,7 @@ def _common(body: dict, max_tokens_name: str, default_max: Optional[int], chat: 
     _check(PRIORITY_MIN <= priority <= PRIORITY_MAX, "priority",
            f"must be between {PRIORITY_MIN} (most urgent) and {PRIORITY_MAX}, got {priority}")
     return CompletionRequest(model=model, params=params, max_tokens=max_tokens, max_tokens_param=max_tokens_name,
-                             n=n, priority=priority, stream=get_field(body, "stream", bool, False),
+                             n=n, priority=priority, chat=chat, stream=get_field(body, "stream", bool, False),
                              include_usage=bool(include_usage), **_constraints(body), **fields)
 
 
@@ -278,7 +293,7 @@ def parse_completion(body, lenient: bool = False) -> CompletionRequest:
     _known_fields(_an_object(body), COMPLETION_FIELDS, lenient)
     prompts = _prompts(body.get("prompt"))
     req = _common(body, "max_tokens", 16, chat=False, prompts=prompts, echo=get_field(body, "echo", bool, False))
-    _check(req.n * len(prompts) <= MAX_TOTAL_CHOICES, "n",
+    _check(req.choices <= MAX_TOTAL_CHOICES, "n",
            f"times the number of prompts must be at most {MAX_TOTAL_CHOICES} choices in all, "
            f"got {req.n} x {len(prompts)}")
     best_of = get_field(body, "best_of", int)
@@ -333,19 +348,3 @@ def _prompts(prompt) -> list[Prompt]:
     prompts = [p if isinstance(p, str) else [int(t) for t in p] for p in prompts]
     _check(all(len(p) > 0 for p in prompts), "prompt", "must not be empty")
     return prompts
-
-
-def check_max_tokens(req: CompletionRequest, context_window: int) -> None:
-    """More tokens than the model's whole window is a mistake, not a wish to fill it: a 400.
-    (max_tokens within the window but beyond the room the prompt leaves is cut to the room.)"""
-    if req.max_tokens is not None and req.max_tokens > context_window:
-        raise bad_request(f"'{req.max_tokens_param}' is {req.max_tokens}, more than this model's context window "
-                          f"of {context_window} tokens", param=req.max_tokens_param, code="invalid_value")
-
-
-def check_token_ids(req: CompletionRequest, vocab_size: int) -> None:
-    """logit_bias' and stop_token_ids' ids must be the model's (known once its tokenizer is)."""
-    for name, ids in (("logit_bias", map(int, req.params.logit_bias)), ("stop_token_ids", req.params.stop_token_ids)):
-        outside = [t for t in ids if t >= vocab_size]
-        _check(not outside, name, f"names token id {max(outside, default=0)}, outside the vocabulary "
-                                  f"(size {vocab_size})")

@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from api.app import _unsent
+from api.streaming import unsent
 from api.logprobs import Rendering, StreamState, token_text
 from api.tokenizers import Tokenizer
 from shared.protocol import Final, Job, SamplingParams, TextDelta
@@ -229,7 +229,7 @@ def test_a_dead_workers_logprobs_job_is_heard_once_written_again(fake_redis, mon
         second.publish(fresh.step())
     heard, state, final = "", StreamState(1), None
     for _, message in messages_heard(pubsub):
-        new = _unsent(heard, message.offset if isinstance(message, TextDelta) else 0, message.text)
+        new = unsent(heard, message.offset if isinstance(message, TextDelta) else 0, message.text)
         assert new is not None
         heard += new
         state.take(0, message.logprobs, message.logprobs_start if isinstance(message, TextDelta) else 0)

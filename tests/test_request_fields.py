@@ -21,7 +21,7 @@ from api import validation
 from api.app import create_app
 from api.batch_input import parse_file
 from api.errors import ApiError
-from api.features import check_features, required_features
+from api.checks import check_features, required_features
 from api.openapi import document
 from api.validation import CHAT_FIELDS, COMPLETION_FIELDS, parse_chat, parse_completion
 from shared import keys

@@ -13,7 +13,7 @@ import redis
 import torch
 from prometheus_client import REGISTRY
 
-from api.app import _unsent
+from api.streaming import unsent
 from shared import keys, metrics as names
 from shared.protocol import Final, Job, SamplingParams, TextDelta, WorkerInfo, decode_result
 from shared.settings import Settings
@@ -298,7 +298,7 @@ def test_a_requeued_job_resumes_and_writes_what_it_would_have(fake_redis, monkey
     # What a client hears, through the API's own rule: the text once, in order, nothing diverged.
     heard, final = "", None
     for _, message in messages_heard(pubsub):
-        new = _unsent(heard, message.offset if isinstance(message, TextDelta) else 0, message.text)
+        new = unsent(heard, message.offset if isinstance(message, TextDelta) else 0, message.text)
         assert new is not None, "retry_diverged"
         heard += new
         final = message if isinstance(message, Final) else final
