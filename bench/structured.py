@@ -2,17 +2,25 @@
 crowd unconstrained, through the whole stack, in one run; and what a schema's first use costs.
 
     python -m bench.structured --out docs/results/structured-output
-    python -m bench.structured --players 8 --repeats 1 --requests 1      # a quick check
+    python -m bench.structured --players 8 --repeats 1 --requests 1 --hard 8   # a quick check
 
 Each constrained request takes one of SCHEMAS (eight shapes a game asks an NPC for: enums,
 integer ranges, bounded strings) through `response_format`; the unconstrained crowd is its twin:
 the same prompts and seeds with no schema, each asked for exactly as many tokens as its
 constrained reply had (learnt before the runs: the engine writes a request's text whatever shares
-its step), so both crowds do the same work but for the constraint. Both sample at 0.8. The lone player's time per token is the median gap between its
-streamed chunks. The compile cost is measured in this process on the packaged SmolLM2's
+its step), so both crowds do the same work but for the constraint. Both sample at 0.8. The lone
+player's time per token is the median of its requests' time over their tokens (not the gap between
+streamed chunks, which forced tokens fill several at a time). The compile cost is measured in this process on the packaged SmolLM2's
 tokenizer: what the API does to check a schema (api/grammars.py) and what a worker does at the
 schema's first use (worker/constraint.py: the matcher and its first mask), and the same again
-from the worker's cache. Prints a table, writes <out>.json and <out>.png.
+from the worker's cache.
+
+Two more crowds, in the same run: the hardest schemas of the real-world collection
+(tests/data/real_world_schemas.json, `hard`: $ref trees, oneOf, patterns, formats), `--hard-players`
+at a time through the chat route, greedy, against their free twin (the same messages, each asked for
+as many tokens as its constrained reply wrote); and, on a second stack with `JUMP_FORWARD=0`, the
+NPC crowd and the hard crowd again, so what forced tokens save is a ratio of this run too. Prints
+a table, writes <out>.json and <out>.png.
 """
 from __future__ import annotations
 
@@ -27,6 +35,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Optional
 
 from bench.client import complete
 from bench.load import run_crowd
@@ -88,8 +97,9 @@ class NpcAsk:
         return f"A player asks the innkeeper about {rng.choice(WORDS)}. Answer as JSON.\n", self.tokens
 
 
-def compile_costs() -> list[dict]:
-    """Per schema, in ms: the API's check, a worker's first compile and mask, and a cached start."""
+def compile_costs(schemas: dict) -> list[dict]:
+    """Per schema (name -> JSON schema), in ms: the API's check, a worker's first compile and mask,
+    and a cached start."""
     import llguidance.torch
     import torch
 
@@ -109,9 +119,10 @@ def compile_costs() -> list[dict]:
     grammars.warm()  # once per worker, on a thread at its start
     rows.append({"schema": "(llguidance's tokenizer, once per process)", "api_check_ms": round((built - start) * 1e3, 1),
                  "worker_first_ms": round((time.perf_counter() - built) * 1e3, 1), "worker_cached_ms": None})
-    for name in SCHEMAS:
+    for name, schema in schemas.items():
         start = time.perf_counter()
-        req = parse_completion({"model": "m", "prompt": "p", "response_format": response_format(name)})
+        req = parse_completion({"model": "m", "prompt": "p", "response_format": {
+            "type": "json_schema", "json_schema": {"name": name[:64], "schema": schema}}})
         grammar = api_grammars.for_request(req, api_tokenizer, None)
         checked = time.perf_counter()
         digest = grammar.digest
@@ -173,65 +184,126 @@ def crowd(url: str, model: str, players: int, requests: int, tokens: int, constr
                      progress=False)
 
 
+HARD_TOKENS = 128  # as tests/test_structured_output.py's collection test: most hard replies finish
+
+
+def hard_entries(limit: int) -> list[dict]:
+    from bench.schema_collection import load_collection
+    return [e for e in load_collection() if e["hard"]][:limit or None]
+
+
+def hard_crowd(client, model: str, entries: list[dict], players: int, lengths: Optional[dict] = None) -> dict:
+    """Each hard schema asked once, `players` at a time, greedy, as `response_format` (strict not
+    asked); with `lengths` (name -> tokens), their free twin instead: the same messages, no schema,
+    each asked for exactly as many tokens as its constrained reply wrote (refused ones left out).
+    Returns the tokens written by name, the wall time and its ms per token."""
+    import openai
+
+    def one(entry: dict) -> tuple[str, int]:
+        fields = {"model": model, "messages": [{"role": "user", "content": entry["ask"]}], "temperature": 0}
+        if lengths is None:
+            fields.update(max_tokens=HARD_TOKENS, response_format={
+                "type": "json_schema", "json_schema": {"name": entry["name"][:64], "schema": entry["schema"]}})
+        else:
+            fields.update(max_tokens=lengths[entry["name"]], extra_body={"ignore_eos": True})
+        try:
+            return entry["name"], client.chat.completions.create(**fields).usage.completion_tokens
+        except openai.BadRequestError:
+            return entry["name"], 0
+    asked = entries if lengths is None else [e for e in entries if lengths.get(e["name"])]
+    start = time.monotonic()
+    with ThreadPoolExecutor(players) as pool:
+        tokens = dict(pool.map(one, asked))
+    seconds = time.monotonic() - start
+    total = sum(tokens.values())
+    return {"tokens": tokens, "seconds": round(seconds, 2),
+            "ms_per_token": round(1000 * seconds / total, 2) if total else None}
+
+
+STACKS = {"jump": {}, "no-jump": {"JUMP_FORWARD": "0"}}  # forced tokens on (the default) and off
+
+
 def main(argv=None) -> int:
+    import openai
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--players", type=int, default=64)
     parser.add_argument("--requests", type=int, default=2, help="requests per player in the crowd")
     parser.add_argument("--tokens", type=int, default=64, help="max_tokens of every request")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each crowd; medians reported")
+    parser.add_argument("--hard", type=int, default=0, help="the first N hard schemas of the collection (0: all)")
+    parser.add_argument("--hard-players", type=int, default=8, help="hard schemas asked at once")
     parser.add_argument("--out", default="bench/results/structured-output")
     args = parser.parse_args(argv)
 
-    costs = compile_costs()
-    runs: dict[str, list[dict]] = {k: [] for k in ("crowd plain", "crowd json", "lone plain", "lone json")}
-    with stack({}, label="structured") as running:
-        model = running.model
-        for name in SCHEMAS:  # every schema once, so the crowds measure cached grammars
-            complete(running.url, model, "Say hello as JSON.\n", 8, 0.8, False, 600,
-                     {"response_format": response_format(name)})
-        lengths: dict[int, int] = {}
-        for repeat in range(args.repeats):
-            learn_lengths(running.url, model, 1, 4, args.tokens, 7 + repeat, lengths)
-            learn_lengths(running.url, model, args.players, args.requests, args.tokens, 100 * repeat, lengths)
-        for repeat in range(args.repeats):
-            order = (False, True) if repeat % 2 == 0 else (True, False)  # neither always goes first
-            for constrained in order:
-                kind = "json" if constrained else "plain"
-                runs[f"lone {kind}"].append(crowd(running.url, model, 1, 4, args.tokens, constrained, True,
-                                                  7 + repeat, lengths))
-                runs[f"crowd {kind}"].append(crowd(running.url, model, args.players, args.requests, args.tokens,
-                                                   constrained, False, 100 * repeat, lengths))
-                print(f"repeat {repeat + 1}: {kind} done", file=sys.stderr)
+    entries = hard_entries(args.hard)
+    costs = compile_costs({**SCHEMAS, **{e["name"]: e["schema"] for e in entries}})
+    runs: dict[str, list[dict]] = {}
+    lengths: dict[int, int] = {}
+    hard_lengths: dict[str, int] = {}
+    for label, env in STACKS.items():
+        with stack(env, label=f"structured-{label}") as running:
+            model, client = running.model, openai.OpenAI(base_url=running.url, api_key="-", timeout=600, max_retries=0)
+            for name in SCHEMAS:  # every schema once, so the crowds measure cached grammars
+                complete(running.url, model, "Say hello as JSON.\n", 8, 0.8, False, 600,
+                         {"response_format": response_format(name)})
+            first = hard_crowd(client, model, entries, args.hard_players)  # compiles, and learns the lengths
+            if not hard_lengths:  # forced tokens or not, the same text (tests/test_jump_forward.py): once
+                hard_lengths.update(first["tokens"])
+                for repeat in range(args.repeats):
+                    learn_lengths(running.url, model, 1, 4, args.tokens, 7 + repeat, lengths)
+                    learn_lengths(running.url, model, args.players, args.requests, args.tokens, 100 * repeat, lengths)
+            for repeat in range(args.repeats):
+                order = (False, True) if repeat % 2 == 0 else (True, False)  # neither always goes first
+                for constrained in order:
+                    kind = f"{label} {'json' if constrained else 'plain'}"
+                    runs.setdefault(f"lone {kind}", []).append(
+                        crowd(running.url, model, 1, 4, args.tokens, constrained, True, 7 + repeat, lengths))
+                    runs.setdefault(f"crowd {kind}", []).append(crowd(
+                        running.url, model, args.players, args.requests, args.tokens, constrained, False,
+                        100 * repeat, lengths))
+                    runs.setdefault(f"hard {kind}", []).append(hard_crowd(
+                        client, model, entries, args.hard_players, None if constrained else hard_lengths))
+                    print(f"{label}, repeat {repeat + 1}: {kind} done", file=sys.stderr)
 
     def med(key, field):
         values = [r[field] for r in runs[key] if r.get(field) is not None]
         return statistics.median(values) if values else None
 
-    summary = {
-        "crowd_tokens_per_s": {"plain": med("crowd plain", "tokens_per_s"), "json": med("crowd json", "tokens_per_s")},
-        "lone_gap_ms": {"plain": med("lone plain", "gap_median_ms"), "json": med("lone json", "gap_median_ms")},
-        "lone_s_per_token": {"plain": med("lone plain", "median_s_per_token"),
-                             "json": med("lone json", "median_s_per_token")},
-        "errors": {k: sum(r["errors"] for r in v) for k, v in runs.items()},
-        "crowd_tokens": {"plain": med("crowd plain", "tokens"), "json": med("crowd json", "tokens")},
-    }
-    summary["crowd_ratio"] = ratio(summary["crowd_tokens_per_s"]["json"], summary["crowd_tokens_per_s"]["plain"])
-    summary["lone_gap_ratio"] = ratio(summary["lone_gap_ms"]["json"], summary["lone_gap_ms"]["plain"])
+    summary = {"errors": {k: sum(r.get("errors", 0) for r in v) for k, v in runs.items()},
+               "hard_schemas": len(entries), "hard_tokens": sum(hard_lengths.values())}
+    for label in STACKS:
+        crowd_tps = {kind: med(f"crowd {label} {kind}", "tokens_per_s") for kind in ("plain", "json")}
+        # A request's time over its tokens, not the gap between streamed chunks: forced tokens
+        # arrive several to a chunk, so the gaps grow while the reply comes sooner.
+        lone = {kind: _rounded(1000 * (med(f"lone {label} {kind}", "median_s_per_token") or 0)) or None
+                for kind in ("plain", "json")}
+        hard = {kind: med(f"hard {label} {kind}", "ms_per_token") for kind in ("plain", "json")}
+        summary[label] = {"crowd_tokens_per_s": crowd_tps, "lone_ms_per_token": lone, "hard_ms_per_token": hard,
+                          "crowd_tokens": {kind: med(f"crowd {label} {kind}", "tokens") for kind in ("plain", "json")},
+                          "crowd_ratio": _rounded(ratio(crowd_tps["json"], crowd_tps["plain"])),
+                          "lone_ratio": _rounded(ratio(lone["json"], lone["plain"])),
+                          "hard_ratio": _rounded(ratio(hard["json"], hard["plain"]))}
 
-    print(f"\n{args.players} players x {args.requests} requests, max_tokens {args.tokens}, "
-          f"medians of {args.repeats} runs\n")
-    print("| | unconstrained | 8 JSON schemas | ratio | bar |\n|---|---:|---:|---:|---|")
-    print(f"| crowd tokens/s | {summary['crowd_tokens_per_s']['plain']} | {summary['crowd_tokens_per_s']['json']} "
-          f"| {summary['crowd_ratio']} | >= 0.85 |")
-    print(f"| lone player, ms between tokens | {summary['lone_gap_ms']['plain']} | {summary['lone_gap_ms']['json']} "
-          f"| {summary['lone_gap_ratio']} | <= 1.15 |")
-    print(f"| crowd tokens written (the twins: equal) | {summary['crowd_tokens']['plain']} | "
-          f"{summary['crowd_tokens']['json']} | | |")
-    print(f"| errors | {summary['errors']['crowd plain'] + summary['errors']['lone plain']} | "
-          f"{summary['errors']['crowd json'] + summary['errors']['lone json']} | | |")
+    print(f"\n{args.players} players x {args.requests} requests, max_tokens {args.tokens}; {len(entries)} hard "
+          f"schemas, {args.hard_players} at a time, max_tokens {HARD_TOKENS}; medians of {args.repeats} runs\n")
+    print("| | forced tokens | unconstrained | JSON schemas | ratio | bar |\n|---|---|---:|---:|---:|---|")
+    for label in STACKS:
+        row = summary[label]
+        print(f"| NPC crowd, tokens/s | {label} | {_rounded(row['crowd_tokens_per_s']['plain'])} | "
+              f"{_rounded(row['crowd_tokens_per_s']['json'])} | {row['crowd_ratio']} | >= 1.1 |")
+        print(f"| lone player, ms a token | {label} | {row['lone_ms_per_token']['plain']} | "
+              f"{row['lone_ms_per_token']['json']} | {row['lone_ratio']} | <= 1.15 |")
+        print(f"| hard schemas' crowd, ms a token | {label} | {_rounded(row['hard_ms_per_token']['plain'])} | "
+              f"{_rounded(row['hard_ms_per_token']['json'])} | {row['hard_ratio']} | <= 1.5 |")
+    print(f"| errors | | {sum(v for k, v in summary['errors'].items() if 'plain' in k)} | "
+          f"{sum(v for k, v in summary['errors'].items() if 'json' in k)} | | |")
     print("\n| schema | API check ms | worker first use ms | worker cached ms |\n|---|---:|---:|---:|")
     for row in costs:
         print(f"| {row['schema']} | {row['api_check_ms']} | {row['worker_first_ms']} | {row['worker_cached_ms'] or ''} |")
+    firsts = [row["worker_first_ms"] for row in costs[1:]]
+    summary["first_use_ms"] = {"median": _rounded(statistics.median(firsts)), "max": max(firsts)}
+    print(f"\nworker first use, every schema: median {summary['first_use_ms']['median']} ms, "
+          f"most {summary['first_use_ms']['max']} ms (bar: < 50)")
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -244,32 +316,36 @@ def main(argv=None) -> int:
     return 0
 
 
+def _rounded(value: Optional[float]) -> Optional[float]:
+    return None if value is None else round(value, 2)
+
+
 def _plot(summary: dict, costs: list[dict], path: Path) -> None:
     plt = pyplot()
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    labels = ["crowd tokens/s", "lone player ms/token"]
-    plain = [summary["crowd_tokens_per_s"]["plain"] or 0, summary["lone_gap_ms"]["plain"] or 0]
-    json_ = [summary["crowd_tokens_per_s"]["json"] or 0, summary["lone_gap_ms"]["json"] or 0]
-    for i, (a, b) in enumerate(zip(plain, json_)):
-        left.bar([i - 0.2], [1.0], 0.4, color="#888", label="unconstrained" if i == 0 else None)
-        left.bar([i + 0.2], [b / a if a else 0], 0.4, color="#2a7", label="8 JSON schemas" if i == 0 else None)
-    left.axhline(0.85, color="#c33", ls=":", lw=1)
-    left.axhline(1.15, color="#c33", ls=":", lw=1)
-    left.set_xticks(range(2), labels)
-    left.set_ylabel("relative to unconstrained")
-    left.set_title("Constrained against unconstrained (bars at 0.85 and 1.15)")
-    left.legend()
-    names = [c["schema"].replace("(llguidance's tokenizer, once per process)", "tokenizer, once") for c in costs]
-    at = range(len(costs))
-    right.barh([y + 0.2 for y in at], [c["worker_first_ms"] for c in costs], 0.4, color="#2a7", label="worker, first use")
-    right.barh([y - 0.2 for y in at], [c["api_check_ms"] for c in costs], 0.4, color="#58c", label="API check")
-    right.set_yticks(list(at), names)
-    right.set_xscale("log")
-    right.axvline(50, color="#c33", ls=":", lw=1)
-    right.set_xlabel("ms (log scale)")
-    right.set_title("A schema's first compile (bar at 50 ms)")
-    right.legend()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
+    metrics = [("crowd_ratio", "NPC crowd tokens/s\n(bar: >= 1.1)", 1.1),
+               ("lone_ratio", "lone player ms/token\n(bar: <= 1.15)", 1.15),
+               ("hard_ratio", "hard schemas' crowd ms/token\n(bar: <= 1.5)", 1.5)]
+    for i, (key, _, bar) in enumerate(metrics):
+        for offset, label, color in ((-0.2, "jump", "#2a7"), (0.2, "no-jump", "#aaa")):
+            value = summary[label][key] or 0
+            left.bar([i + offset], [value], 0.4, color=color, label=f"forced tokens: {label}" if i == 0 else None)
+            left.text(i + offset, value, f"{value:.2f}", ha="center", va="bottom", fontsize=8)
+        left.plot([i - 0.45, i + 0.45], [bar, bar], color="#c33", ls=":", lw=1.2)
+    left.axhline(1.0, color="#555", lw=0.6)
+    left.set_xticks(range(len(metrics)), [m[1] for m in metrics], fontsize=8)
+    left.set_ylabel("JSON schemas / unconstrained twin")
+    left.set_title("Constrained against unconstrained, same run (red: each bar)")
+    left.legend(fontsize=8)
+    rows = sorted(costs[1:], key=lambda c: c["worker_first_ms"])
+    right.plot(range(len(rows)), [c["worker_first_ms"] for c in rows], "o", color="#2a7", ms=3, label="worker, first use")
+    right.plot(range(len(rows)), [c["api_check_ms"] for c in rows], "o", color="#58c", ms=3, label="API check")
+    right.axhline(50, color="#c33", ls=":", lw=1)
+    right.set_yscale("log")
+    right.set_xlabel(f"schema ({len(rows)}: the 8 NPC ones and the hard real-world ones), by first use")
+    right.set_ylabel("ms (log scale)")
+    right.set_title("A schema's first compile and mask (bar at 50 ms)")
+    right.legend(fontsize=8)
     fig.tight_layout()
     save_figure(fig, path, dpi=110)
 
