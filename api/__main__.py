@@ -17,7 +17,7 @@ from shared.redis_client import masked
 from shared.settings import Settings
 
 FLAGS = ["host", "port", "redis_url", "redis_cluster", "api_worker_class", "api_connections", "threads",
-         "api_workers", "redis_connections", "request_timeout", "max_queue", "worker_grace", "api_keys",
+         "api_workers", "redis_connections", "request_timeout", "max_queue", "worker_grace", "affinity_wait", "api_keys",
          "api_keys_file", "rate_limit", "lenient", "open_objects", "files_dir", "batch_file_limit"]
 WORKER_CLASSES = ("gevent", "gthread")
 

@@ -24,7 +24,7 @@ from typing import Optional
 
 from flask import Response, jsonify, request
 
-from api import checks, grammars, metrics, streaming, tools
+from api import checks, grammars, metrics, routing, streaming, tools
 from api.broker import Broker, Pending
 from api.errors import bad_request, failure_error
 from api.logprobs import Rendering
@@ -52,7 +52,8 @@ class Answerer:
         grammar = self.constrain(req, tokenizer, tool_spec)
         max_tokens = checks.room(req, prompts, workers[0].context_window)
         request_id = uuid.uuid4().hex[:24]
-        jobs = make_jobs(req, prompts, max_tokens, request_id, self.settings.request_timeout)
+        jobs = self.route(req, prompts, workers,
+                          make_jobs(req, prompts, max_tokens, request_id, self.settings.request_timeout))
         shape = answer_shape(req, request_id, tokenizer, tool_spec, grammar)
         pending = self.submit(req.model, jobs, grammar, cap)
         prompt_tokens = sum(len(p) for p in prompts)
@@ -74,6 +75,16 @@ class Answerer:
         if grammar is not None:  # the jobs carry only its hash; its text waits in Redis
             req.params = replace(req.params, grammar=grammar.digest)
         return grammar
+
+    def route(self, req: CompletionRequest, prompts: list[list[int]], workers, jobs: list[Job]) -> list[Job]:
+        """Each job's note for its answer, and the worker it is offered to first: the one whose
+        prefix cache holds its conversation (api/routing.py); as they were with --affinity-wait 0."""
+        if self.settings.affinity_wait <= 0:
+            return jobs
+        own, offer = routing.plan(self.client, req.model, prompts, req.routing_key, workers)
+        if offer:
+            metrics.ROUTED.labels(req.model).inc()
+        return [replace(job, route=own[i // req.n], offer=offer or "") for i, job in enumerate(jobs)]
 
     def submit(self, model: str, jobs: list[Job], grammar: Optional[grammars.Grammar], cap: int) -> Pending:
         if grammar is not None:

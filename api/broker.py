@@ -70,9 +70,11 @@ RESUBSCRIBED = object()
 
 
 class Broker:
-    def __init__(self, client: redis.Redis, worker_grace_s: float = 60.0, max_queue: int = -1):
+    def __init__(self, client: redis.Redis, worker_grace_s: float = 60.0, max_queue: int = -1,
+                 affinity_wait_s: float = 0.0):
         self.redis = client
         self.worker_grace_s = worker_grace_s
+        self.affinity_wait_s = affinity_wait_s  # how long an offered job is its worker's alone
         self.admission = Admission(client, max_queue)
         self.subscriber = ShardedSubscriber(client) if is_cluster_client(client) else Subscriber(client)
         # Every waiting request checks the workers' liveness each LOOK_EVERY_S: one read, shared
@@ -471,7 +473,7 @@ class Pending:
         # Pub/sub drops messages nobody listens for: listen() returns once Redis has confirmed.
         self._inbox = broker.subscriber.listen(list(self._index))
         try:
-            broker.admission.push(jobs, cap)
+            broker.admission.push(jobs, cap, broker.affinity_wait_s)
         except Exception:
             broker.subscriber.forget(self._inbox)
             raise

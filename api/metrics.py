@@ -51,6 +51,8 @@ TIME_TO_FIRST_TOKEN = Histogram(names.TIME_TO_FIRST_TOKEN, "Streamed completions
                                 "arrival to its first text sent", ["model"], buckets=TTFT_BUCKETS)
 PROMPT_TOKENS = Counter(names.PROMPT_TOKENS, "Prompt tokens, as answered in `usage`", ["model"])
 COMPLETION_TOKENS = Counter(names.COMPLETION_TOKENS, "Completion tokens, as answered in `usage`", ["model"])
+ROUTED = Counter(names.ROUTED_REQUESTS, "Requests offered first to the worker that answered their "
+                 "conversation's last turn (shared/routing.py)", ["model"])
 ERRORS = Counter(names.ERRORS, "Errors answered, by code (an HTTP error, or one inside a stream)", ["code"])
 
 # Series there from the start, at 0. Prometheus sees a labelled counter's first increase only if it

@@ -84,8 +84,9 @@ def _sampling_properties() -> dict:
         "min_tokens": nullable({"type": "integer", "minimum": 0},
                                 "vLLM's: end-of-text and stop_token_ids cannot end the choice before this "
                                 "many tokens (at most max_tokens)"),
-        # Metadata: checked, then without effect here
-        "user": nullable({"type": "string"}, "metadata: accepted for OpenAI's clients, without effect"),
+        # Metadata: checked, then without effect here (but user and prompt_cache_key, which route)
+        "user": nullable({"type": "string"}, "keeps a player's requests together on the worker that holds their "
+                         "history, where prompt_cache_key is not given (docs/scaling.md, routing)"),
         "metadata": nullable({"type": "object", "maxProperties": validation.MAX_METADATA,
                                "propertyNames": {"maxLength": validation.MAX_METADATA_KEY},
                                "additionalProperties": {"type": "string",
@@ -95,7 +96,8 @@ def _sampling_properties() -> dict:
         "service_tier": nullable({"type": "string", "enum": list(SERVICE_TIERS)},
                                   "metadata: accepted, without effect (one tier; `priority` orders requests)"),
         "prompt_cache_key": nullable({"type": "string"},
-                                      "metadata: accepted, without effect (the prefix cache needs no key)"),
+                                      "requests that share a prefix (a conversation): routed to the worker "
+                                      "whose prefix cache holds it (docs/scaling.md, routing)"),
         "safety_identifier": nullable({"type": "string"}, "metadata: accepted, without effect"),
     }
 

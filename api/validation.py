@@ -85,6 +85,9 @@ class CompletionRequest:
     tool_choice: Optional[Union[str, dict]] = None  # "none" | "auto" | "required" | a named function
     parallel_tool_calls: bool = True  # chat: several calls a reply, where the model's format has them
     chat: bool = False  # the chat route's (messages), else the completions route's (prompts)
+    # What keeps a client's requests together when routed to the worker holding their history
+    # (shared/routing.py): OpenAI's prompt_cache_key, else its user.
+    routing_key: str = ""
 
     @property
     def constraints(self) -> list[str]:
@@ -279,7 +282,8 @@ def _common(body: dict, max_tokens_name: str, default_max: Optional[int], chat: 
            f"must be between {PRIORITY_MIN} (most urgent) and {PRIORITY_MAX}, got {priority}")
     return CompletionRequest(model=model, params=params, max_tokens=max_tokens, max_tokens_param=max_tokens_name,
                              n=n, priority=priority, chat=chat, stream=get_field(body, "stream", bool, False),
-                             include_usage=bool(include_usage), **_constraints(body), **fields)
+                             include_usage=bool(include_usage), **_constraints(body),
+                             routing_key=body.get("prompt_cache_key") or body.get("user") or "", **fields)
 
 
 def _an_object(body) -> dict:

@@ -85,6 +85,18 @@ def wake(model: str) -> str:
     return f"{model_prefix(model)}wake"
 
 
+def worker_wake(model: str, worker_id: str) -> str:
+    """A worker's own wake list: pushed when a job is offered to it (shared/routing.py), so an idle
+    worker starts it at once; it blocks on this and the model's wake list together."""
+    return f"{model_prefix(model)}wake:{worker_id}"
+
+
+def route_prefix(model: str) -> str:
+    """+ a prompt's chain digest (shared/routing.py): the id of the worker that last answered a job
+    whose prompt ended there (its prefix cache likely holds it), for ROUTE_TTL_S."""
+    return f"{model_prefix(model)}route:"
+
+
 def drained_prefix(model: str) -> str:
     """+ a second of Redis' clock: how many jobs of `model` workers took in that second (the
     queue's drain rate, which a 429's Retry-After is estimated from)."""
@@ -160,6 +172,7 @@ def tokenizer(model: str) -> str:
 
 # Seconds a stored grammar outlives its last use (keys.grammar): far beyond any job's wait, so a
 # queued or resumed job always finds its grammar.
+ROUTE_TTL_S = 1800  # a conversation idle this long has likely left the workers' prefix caches too
 GRAMMAR_TTL_S = 3600
 
 

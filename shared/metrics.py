@@ -34,6 +34,11 @@ KV_CACHE_USAGE = f"{PREFIX}_kv_cache_usage_ratio"      # blocks in use / blocks 
 PREEMPTIONS = f"{PREFIX}_preemptions_total"
 PREFIX_CACHE_HITS = f"{PREFIX}_prefix_cache_hits_total"  # prompt blocks found in the cache
 GENERATED_TOKENS = f"{PREFIX}_generated_tokens_total"  # tokens the engine wrote (tokens/s)
+PREFIX_CACHE_HIT_TOKENS = f"{PREFIX}_prefix_cache_hit_tokens_total"  # prompt tokens found in the cache
+# Jobs the API offered to the worker holding their conversation (shared/routing.py), taken by that
+# worker ("own") or, once the offer lapsed, by another ("other"); and the requests the API routed.
+OFFERED_JOBS = f"{PREFIX}_offered_jobs_total"
+ROUTED_REQUESTS = f"{PREFIX}_routed_requests_total"
 FORCED_TOKENS = f"{PREFIX}_forced_tokens_total"  # of those, tokens a grammar forced (no step of their own)
 REQUEUED_JOBS = f"{PREFIX}_requeued_jobs_total"        # jobs of dead workers put back
 # Tokens a requeued job's new worker took from its record (keys.written) instead of decoding again.

@@ -98,6 +98,14 @@ class Job:
     # in place of the 0.0 as it pushes the job. Its age, against Redis' clock again, gives the
     # deadline, the workers' queue wait and the queue's oldest-job age. 0: not stamped.
     enqueued_at: float = 0.0
+    # Routing (shared/routing.py): the digest of its prompt up to its last full block, which the
+    # worker that answers it notes as its own (keys.route_prefix); and the worker it is offered to
+    # first, which alone may take it until offer_until (ms of Redis' clock, which the admission
+    # script writes in place of the 0 as it pushes the job: --affinity-wait from then), unless that
+    # worker's heartbeat is gone. Empty: any worker, as always.
+    route: str = ""
+    offer: str = ""
+    offer_until: int = 0
     # Last, always: worker/job_queue.py's Lua reads it from the end of the JSON (and `id` from its start).
     priority: int = PRIORITY_DEFAULT
 

@@ -143,7 +143,8 @@ def main(argv=None) -> None:
     worker.install_signal_handlers()
     if settings.metrics_port:
         metrics.serve(settings.metrics_port, metrics.EngineCollector(info.model, engine, queue.requeued,
-                                                                     queue.crashed, queue.left_for_numerics),
+                                                                     queue.crashed, queue.left_for_numerics,
+                                                                     queue.offers),
                       settings.metrics_host)
     logging.info("serving %s (%s, %s, context %d) on the %s engine, up to %d requests at once; "
                  "ready %.1f s after start", info.model, info.device, info.dtype, info.context_window,

@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 FINISHED_NORMALLY = ("stop", "length")
 STAND_IN_POLL_S = 0.05
 FILL_POLL_S = 0.001  # how often a filling batch looks for late arrivals
+# Redis checks a blocked client's timeout about every 100 ms (hz 10): a shorter wait is slept instead.
+REDIS_BLOCK_GRAIN_S = 0.1
 DRAINED_TTL_S = 120  # the per-second counts of jobs taken, which the API reads as a drain rate
 ATTEMPTS_TTL_S = 24 * 3600
 # Longer than any job lives (a request waits --request-timeout, 300 s by default), so a lease never
@@ -87,9 +89,12 @@ LOST = "lost"
 # A worker takes only what it will start
 # (worker.py): jobs it leaves behind wake an idle worker, as the API's push did, so none sleeps
 # through its block while work waits (one token, if none is there already).
+# A job offered to another worker (its "offer", shared/routing.py) is passed over the same way until
+# its offer_until (ms of Redis' clock), while that worker's heartbeat (ARGV[15] the prefix) is there:
+# then anyone takes it, in its place in line.
 # KEYS: the model's queues, most urgent first, then the processing list, then the wake list.
 # Returns {1 if the one job taken must run alone, the jobs, their records, {id, fingerprint, ...} of
-# those passed over}.
+# those passed over for their fingerprint, ms until the first offer passed over lapses (0: none)}.
 _TAKE = """
 local nq = #KEYS - 2
 local processing = KEYS[nq + 1]
@@ -97,6 +102,15 @@ local limit, alone_ok, last_retry = tonumber(ARGV[1]), ARGV[2] == '1', tonumber(
 local mine, most_passed = ARGV[11], tonumber(ARGV[14])
 local taken, isolated, written, passed, skipped = {}, 0, {}, {}, {}
 local npassed = 0
+local me_id, beat_prefix = ARGV[8], ARGV[15]
+local clock = redis.call('TIME')
+local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local lapse = 0  -- ms until the first offer to another worker passed over here lapses
+local beating = {}  -- worker id -> its heartbeat is there
+local function beats(worker)
+  if beating[worker] == nil then beating[worker] = redis.call('EXISTS', beat_prefix .. worker) == 1 end
+  return beating[worker]
+end
 local live = {}  -- fingerprint -> a live worker has it
 local function alive(numerics)
   if live[numerics] == nil then live[numerics] = redis.call('EXISTS', ARGV[13] .. numerics) == 1 end
@@ -122,7 +136,13 @@ for i = 1, nq do
     local id = string.match(raw, '^{"id":"([^"]*)"') or ''
     local tries = tonumber(redis.call('GET', ARGV[4] .. id) or '0')
     local by = tries > 0 and redis.call('GET', ARGV[12] .. id)
-    if by and by ~= mine and alive(by) then
+    local offer, until_ms = string.match(raw, '"offer":"([^"]+)","offer_until":(%d+)')
+    local wait = 0
+    if offer and offer ~= me_id then wait = tonumber(until_ms) - now_ms end
+    if wait > 0 and beats(offer) then  -- offered to a live worker: its own until the offer lapses
+      npassed, at = npassed + 1, at + 1
+      if lapse == 0 or wait < lapse then lapse = wait end
+    elseif by and by ~= mine and alive(by) then
       passed[#passed + 1] = id
       passed[#passed + 1] = by
       npassed, at = npassed + 1, at + 1
@@ -152,7 +172,7 @@ if redis.call('LLEN', KEYS[nq + 2]) == 0 and npassed < most_passed then
     end
   end
 end
-return {isolated, taken, written, passed}
+return {isolated, taken, written, passed, lapse}
 """
 
 # Put a dead worker's jobs back at the front of their queues, newest first so the oldest ends up
@@ -203,14 +223,16 @@ return {requeued, failed}
 # (KEYS[1]) and end its lease and its record. A job whose lease is gone or names another worker gets
 # nothing: it is returned, lost.
 # ARGV: the worker's id, the lease, channel and answer prefixes, the answer's TTL, the publishing
-# command (PUBLISH, or SPUBLISH in a cluster), the record prefix and TTL, then six per job: its id,
+# command (PUBLISH, or SPUBLISH in a cluster), the record prefix and TTL, the route prefix and TTL
+# (an answered job's "route" digest is noted as this worker's: shared/routing.py), then six per job: its id,
 # its new text ('' none), its last message ('' none), its JSON to remove ('' not done), and where
 # in its record (a byte offset) its new tokens go, and they ('' none).
 _PUBLISH = """
 local me, lease, channel, answer, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
 local publish, written, written_ttl = ARGV[6], ARGV[7], tonumber(ARGV[8])
+local route, route_ttl = ARGV[9], tonumber(ARGV[10])
 local lost = {}
-for i = 9, #ARGV, 6 do
+for i = 11, #ARGV, 6 do
   local id, text, last, raw = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   local at, record = tonumber(ARGV[i + 4]), ARGV[i + 5]
   if redis.call('GET', lease .. id) ~= me then
@@ -232,6 +254,9 @@ for i = 9, #ARGV, 6 do
     if raw ~= '' then
       redis.call('LREM', KEYS[1], 1, raw)
       redis.call('DEL', lease .. id)
+      -- Answered here: this worker's prefix cache holds its prompt, for the conversation's next turn.
+      local digest = last ~= '' and string.match(raw, '"route":"(%x+)"')
+      if digest then redis.call('SET', route .. digest, me, 'EX', route_ttl) end
     end
     if last ~= '' or raw ~= '' then redis.call('DEL', written .. id) end
   end
@@ -304,6 +329,9 @@ class JobQueue:
         self.max_attempts = max_attempts
         self.isolated: set[str] = set()  # held jobs that run alone: their earlier worker died
         self._wake = keys.wake(model)
+        self._own_wake = keys.worker_wake(model, worker_id)
+        self.offer_lapses_s: Optional[float] = None  # when the last take passed over an offer to another worker
+        self.offers: Counter[str] = Counter()  # offered jobs taken: "own" (offered here), "taken over"
         self._processing = keys.processing(model, worker_id)
         # Sharded pub/sub in a cluster: the message goes to the channel's slot's primary only
         # (api/broker.py says why); one server has no shards, and PUBLISH is what every Redis has.
@@ -340,8 +368,13 @@ class JobQueue:
             return []
         taken = self._take_now(limit, alone_ok)
         if not taken and block_s > 0:
-            self._wait_for_work(block_s)
+            block_until = time.monotonic() + block_s
+            self._wait_for_work(min(block_s, self.offer_lapses_s or block_s))
             taken = self._take_now(limit, alone_ok)
+            # An offer to another worker passed over is looked at again as it lapses, within the block.
+            while not taken and self.offer_lapses_s and time.monotonic() < block_until:
+                self._wait_for_work(min(block_until - time.monotonic(), self.offer_lapses_s))
+                taken = self._take_now(limit, alone_ok)
         if not taken:
             return []
         deadline = time.monotonic() + wait_s
@@ -353,16 +386,21 @@ class JobQueue:
             # (hz 10), so a 5 ms block on an empty queue can hold the whole batch for 100 ms.
             time.sleep(min(FILL_POLL_S, left))
             taken += self._take_now(limit - len(taken), alone_ok=False)
-        return [job for job in (self._parse(raw, record) for raw, record in taken) if job is not None]
+        jobs = [job for job in (self._parse(raw, record) for raw, record in taken) if job is not None]
+        for job in jobs:
+            if job.offer:  # routed here, or taken after its offer to another worker lapsed
+                self.offers["own" if job.offer == self.worker_id else "taken over"] += 1
+        return jobs
 
     def _take_now(self, limit: int, alone_ok: bool) -> list[tuple[bytes, bytes]]:
         """(job JSON, its record of written tokens) for each job taken."""
-        isolated, raws, records, passed = self._take_script(
+        isolated, raws, records, passed, lapse_ms = self._take_script(
             keys=[*keys.queues(self.model), self._processing, self._wake],
             args=[limit, int(alone_ok), self.max_attempts, keys.attempts(self.model, ""),
                   keys.drained_prefix(self.model), DRAINED_TTL_S, keys.lease(self.model, ""), self.worker_id,
                   LEASE_TTL_S, keys.written(self.model, ""), self.numerics, keys.written_by(self.model, ""),
-                  keys.live_numerics(self.model, ""), PASS_OVER_AT_MOST])
+                  keys.live_numerics(self.model, ""), PASS_OVER_AT_MOST, keys.heartbeat(self.model, "")])
+        self.offer_lapses_s = lapse_ms / 1000 if lapse_ms else None
         if isolated:
             self.isolated.add(_job_id(raws[0]))
         for job_id, numerics in zip(map(_text, passed[::2]), map(_text, passed[1::2])):
@@ -424,9 +462,13 @@ class JobQueue:
         return adopted
 
     def _wait_for_work(self, block_s: float) -> None:
-        """Block until the API pushes something (it adds a token to the wake list) or block_s."""
+        """Block until the API pushes something (it adds a token to the wake list, and to this
+        worker's own when it offers it the job) or block_s."""
         started = time.monotonic()
-        if self.redis.blpop([self._wake], block_s) is None and time.monotonic() - started < block_s / 2:
+        if block_s < REDIS_BLOCK_GRAIN_S:  # Redis would hold a blocked client longer than asked
+            time.sleep(block_s)
+            return
+        if self.redis.blpop([self._own_wake, self._wake], block_s) is None and time.monotonic() - started < block_s / 2:
             # The embedded stand-in for Redis (fakeredis) answers a blocking pop at once: don't spin.
             time.sleep(min(block_s, STAND_IN_POLL_S))
 
@@ -530,7 +572,8 @@ class JobQueue:
             keys=[self._processing],
             args=[self.worker_id, keys.lease(self.model, ""), keys.channel(self.model, ""),
                   keys.answer(self.model, ""), self.answer_ttl_s, self._publish_command,
-                  keys.written(self.model, ""), LEASE_TTL_S, *entries])
+                  keys.written(self.model, ""), LEASE_TTL_S, keys.route_prefix(self.model), keys.ROUTE_TTL_S,
+                  *entries])
 
     def _forget(self, job_id: str) -> None:
         self._raw.pop(job_id, None)

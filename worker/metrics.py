@@ -79,13 +79,16 @@ class EngineCollector:
               ("kv_usage", names.KV_CACHE_USAGE, "KV-cache blocks in use / blocks in the pool")]
     COUNTERS = [("preempted", names.PREEMPTIONS, "Running sequences set back for lack of KV cache"),
                 ("prefix_hit_blocks", names.PREFIX_CACHE_HITS, "Prompt KV blocks found in the cache"),
+                ("prefix_hit_tokens", names.PREFIX_CACHE_HIT_TOKENS, "Prompt tokens found in the cache"),
                 ("generated", names.GENERATED_TOKENS, "Tokens the engine wrote"),
                 ("forced", names.FORCED_TOKENS, "Tokens a grammar forced, written without a step of their own")]
 
-    def __init__(self, model: str, engine: Engine, requeued: Tally, crashed: Tally, left: Tally = None):
+    def __init__(self, model: str, engine: Engine, requeued: Tally, crashed: Tally, left: Tally = None,
+                 offers: Tally = None):
         self.model, self.engine = model, engine
         # By model: JobQueue's tallies.
         self.requeued, self.crashed, self.left = requeued, crashed, Tally() if left is None else left
+        self.offers = Tally() if offers is None else offers  # JobQueue.offers: "own", "taken over"
 
     def collect(self):
         stats = self.engine.stats()
@@ -105,6 +108,12 @@ class EngineCollector:
             for model in sorted({self.model, *tally}):
                 family.add_metric([model], tally[model])
             yield family
+        family = CounterMetricFamily(names.OFFERED_JOBS, "Jobs offered to the worker holding their conversation, "
+                                     "taken by it (own) or by this one once the offer lapsed (other)",
+                                     labels=["model", "taken_by"])
+        for taken_by, key in (("own", "own"), ("other", "taken over")):
+            family.add_metric([self.model, taken_by], self.offers[key])
+        yield family
 
 
 def _one(family, model: str, value):

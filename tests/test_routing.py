@@ -1,0 +1,130 @@
+"""A conversation's next turn is offered to the worker that answered its last one (shared/routing.py,
+api/routing.py, the take script in worker/job_queue.py): that worker alone may take it until the
+offer lapses, then anyone, in its place in line; a dead worker's offer holds nothing back; priority
+order holds across offered and shared jobs; an answer leaves the note the next turn is routed by.
+On fakeredis and a real redis-server.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from api import routing
+from api.admission import Admission
+from shared import keys
+from shared.routing import ROUTE_BLOCK, chain
+from tests.queue_jobs import MODEL, announce_worker, job_ids_of, numbered_job
+from worker.job_queue import JobQueue
+from worker.sequence import Sequence
+
+HOLD_MS = 30_000  # an offer no loaded machine outlives during a test
+
+
+def _worker(any_redis, worker_id: str, beating: bool = True) -> JobQueue:
+    queue = JobQueue(any_redis, worker_id, MODEL)
+    if beating:
+        announce_worker(queue, ttl_s=60)
+    return queue
+
+
+def _now_ms(client) -> int:
+    seconds, micros = client.time()
+    return seconds * 1000 + micros // 1000
+
+
+def _push(client, i: int, offer: str = "", until_ms: int = 0, priority: int = 0) -> None:
+    job = replace(numbered_job(i, priority=priority), offer=offer, offer_until=until_ms)
+    client.rpush(keys.queue(MODEL, priority), job.to_json())
+
+
+def test_the_chain_names_each_prefix_and_keeps_routing_keys_apart():
+    turn1 = list(range(100, 140))  # 2 full blocks and a part
+    turn2 = turn1 + list(range(200, 250))
+    assert len(chain(turn1)) == 40 // ROUTE_BLOCK
+    assert chain(turn2)[:2] == chain(turn1)  # the next turn's chain goes through the last turn's
+    assert chain(turn2)[2] != chain(turn1 + [0] * 10)[2]
+    assert chain(turn1, "player-1") != chain(turn1, "player-2")  # a shared prompt, two players
+    assert chain(turn1[:ROUTE_BLOCK - 1]) == []
+
+
+def test_an_offered_job_is_its_workers_alone_and_the_others_take_what_is_behind_it(any_redis):
+    holder, other = _worker(any_redis, "holder"), _worker(any_redis, "other")
+    _push(any_redis, 0, offer="holder", until_ms=_now_ms(any_redis) + HOLD_MS)
+    _push(any_redis, 1)
+    assert job_ids_of(other.take(limit=4, wait_s=0, block_s=0)) == ["job-1"]
+    assert 0 < other.offer_lapses_s <= HOLD_MS / 1000
+    assert other.take(limit=4, wait_s=0, block_s=0) == []
+    [job] = holder.take(limit=4, wait_s=0, block_s=0)
+    assert job.id == "job-0" and job.offer == "holder"
+    assert holder.offers["own"] == 1 and other.offers["taken over"] == 0
+
+
+def test_a_lapsed_offer_or_a_dead_holder_holds_nothing_back_and_the_job_keeps_its_place(any_redis):
+    other = _worker(any_redis, "other")
+    _worker(any_redis, "holder")
+    _worker(any_redis, "gone", beating=False)  # never beat, as a dead worker's key has expired
+    now = _now_ms(any_redis)
+    _push(any_redis, 0, offer="holder", until_ms=now - 1)  # its time is over
+    _push(any_redis, 1, offer="gone", until_ms=now + HOLD_MS)  # its worker is dead
+    _push(any_redis, 2)
+    assert job_ids_of(other.take(limit=4, wait_s=0, block_s=0)) == ["job-0", "job-1", "job-2"]
+    assert other.offers["taken over"] == 2
+
+
+def test_priority_order_holds_across_offered_and_shared_jobs(any_redis):
+    holder, other = _worker(any_redis, "holder"), _worker(any_redis, "other")
+    until = _now_ms(any_redis) + HOLD_MS
+    _push(any_redis, 0, priority=5)
+    _push(any_redis, 1, offer="holder", until_ms=until, priority=1)
+    _push(any_redis, 2, priority=1)
+    _push(any_redis, 3, offer="holder", until_ms=until, priority=5)
+    # The holder takes its offers and the shared jobs, most urgent queue first, FIFO within one.
+    assert job_ids_of(holder.take(limit=4, wait_s=0, block_s=0)) == ["job-1", "job-2", "job-0", "job-3"]
+    _push(any_redis, 4, offer="holder", until_ms=until, priority=1)
+    _push(any_redis, 5, priority=5)
+    assert job_ids_of(other.take(limit=4, wait_s=0, block_s=0)) == ["job-5"]
+
+
+def test_an_idle_worker_takes_a_job_once_the_offer_to_another_lapses(any_redis):
+    """Through the API's admission script: the offer is stamped in Redis' clock, the holder's own
+    wake list gets a token, and an idle other worker blocks only until the offer lapses."""
+    holder, other = _worker(any_redis, "holder"), _worker(any_redis, "other")
+    wait_s = 0.3
+    Admission(any_redis, max_queue=0).push([replace(numbered_job(0), offer="holder")], cap=0, offer_wait_s=wait_s)
+    assert any_redis.llen(keys.worker_wake(MODEL, "holder")) == 1
+    raw = any_redis.lindex(keys.queue(MODEL), 0).decode()
+    assert '"offer":"holder","offer_until":' in raw and '"offer_until":0,' not in raw
+    started = time.monotonic()
+    [job] = other.take(limit=1, wait_s=0, block_s=5)
+    waited = time.monotonic() - started
+    assert job.id == "job-0" and other.offers["taken over"] == 1
+    assert waited < 2.5, waited  # the offer's 0.3 s (and a loaded machine's slack), not the 5 s block
+    assert holder.take(limit=1, wait_s=0, block_s=0) == []
+
+
+def test_an_answer_leaves_the_note_the_next_turn_is_routed_by(any_redis):
+    """The worker that answers a job notes its prompt's digest as its own; the next turn, whose
+    prompt goes on from it, is offered to that worker; a draining or unknown worker is not."""
+    holder = _worker(any_redis, "holder")
+    turn1 = list(range(1000, 1040))
+    own, offer = routing.plan(any_redis, MODEL, [turn1], "player-7", [])
+    assert offer is None and own == [chain(turn1, "player-7")[-1]]
+    job = replace(numbered_job(0), prompt_ids=turn1, route=own[0])
+    any_redis.rpush(keys.queue(MODEL), job.to_json())
+    [taken] = holder.take(limit=1, wait_s=0, block_s=0)
+    seq = Sequence(taken, tokenizer=None, eos_ids=frozenset())
+    seq.finish_reason, seq.text = "stop", "hello"  # answered
+    assert holder.publish([seq]).finished == [seq]
+    assert any_redis.get(keys.route_prefix(MODEL) + own[0]) == b"holder"
+    assert 0 < any_redis.ttl(keys.route_prefix(MODEL) + own[0]) <= keys.ROUTE_TTL_S
+    turn2 = turn1 + list(range(2000, 2030))
+    infos = {w.id: w for w in _infos(any_redis)}
+    assert routing.plan(any_redis, MODEL, [turn2], "player-7", list(infos.values()))[1] == "holder"
+    assert routing.plan(any_redis, MODEL, [turn2], "player-8", list(infos.values()))[1] is None
+    draining = [replace(w, draining=True) for w in infos.values()]
+    assert routing.plan(any_redis, MODEL, [turn2], "player-7", draining)[1] is None
+
+
+def _infos(client):
+    from api.broker import Broker
+    return Broker(client).live_workers()
