@@ -255,7 +255,7 @@ for i = 11, #ARGV, 6 do
       redis.call('LREM', KEYS[1], 1, raw)
       redis.call('DEL', lease .. id)
       -- Answered here: this worker's prefix cache holds its prompt, for the conversation's next turn.
-      local digest = last ~= '' and string.match(raw, '"route":"(%x+)"')
+      local digest = string.find(last, '"type":"final"', 1, true) and string.match(raw, '"route":"(%x+)"')
       if digest then redis.call('SET', route .. digest, me, 'EX', route_ttl) end
     end
     if last ~= '' or raw ~= '' then redis.call('DEL', written .. id) end

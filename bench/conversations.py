@@ -1,0 +1,140 @@
+"""NPC conversations across a pool of two workers, with routing to the worker that holds each
+conversation (docs/scaling.md, routing) and without it, in one run.
+
+    python -m bench.conversations --out docs/results/conversations
+    python -m bench.conversations --players 8 --turns 4 --out /tmp/conversations   # a quick look
+
+Each mode starts its own stack (redis-server, the API, two workers of the packaged SmolLM2 with
+TORCH_THREADS=1 each, on this 2-core machine); `AFFINITY_WAIT=0` turns routing off. Every player
+holds one conversation: a shared ~300-token system prompt, then `--turns` turns, each a line of 10-40
+words, a streamed reply of up to 80 tokens (sampled, seeded per player and turn), then 1-3 s before
+the next line; its `user` field is the player's. Each turn's time to first token, its tokens and
+`usage.prompt_tokens_details.cached_tokens` are recorded. Reported per mode: the median time to
+first token from the third turn on, tokens/s over the whole run, and the share of those turns'
+prompts found cached. Prints a table, writes <out>.json and <out>.png.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import random
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from bench.prompts import make_lore, system_prompt
+from bench.report import pyplot, save_figure, write_json
+from bench.stack import stack
+from bench.stats import ratio
+
+MODES = {"routing": {}, "no routing": {"AFFINITY_WAIT": "0"}}
+REPLY_TOKENS = 80
+
+
+def conversation(client, model: str, player: int, turns: int, system: str) -> list[dict]:
+    """One player's conversation: a row per turn."""
+    import openai
+    rng = random.Random(player)
+    messages, rows = [{"role": "system", "content": system}], []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": make_lore(rng, rng.randint(10, 40))})
+        start, first, text, usage = time.monotonic(), None, [], None
+        try:
+            stream = client.chat.completions.create(
+                model=model, messages=messages, max_tokens=REPLY_TOKENS, temperature=0.8,
+                seed=player * 100 + turn, stream=True, stream_options={"include_usage": True},
+                user=f"player-{player}")
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    first = first if first is not None else time.monotonic() - start
+                    text.append(chunk.choices[0].delta.content)
+                if chunk.usage:
+                    usage = chunk.usage
+        except openai.OpenAIError as exc:
+            rows.append({"player": player, "turn": turn, "error": str(exc)[:200]})
+            return rows
+        details = usage.prompt_tokens_details if usage else None
+        rows.append({"player": player, "turn": turn, "ttft_s": first, "seconds": time.monotonic() - start,
+                     "tokens": usage.completion_tokens if usage else 0,
+                     "prompt_tokens": usage.prompt_tokens if usage else 0,
+                     "cached_tokens": (details.cached_tokens or 0) if details else 0})
+        messages.append({"role": "assistant", "content": "".join(text)})
+        time.sleep(rng.uniform(1.0, 3.0))
+    return rows
+
+
+def run_mode(env: dict, label: str, players: int, turns: int, system: str) -> dict:
+    import openai
+    with stack(env, label=f"conversations-{label}", workers=2,
+               worker_env=[{"TORCH_THREADS": "1"}, {"TORCH_THREADS": "1"}]) as running:
+        client = openai.OpenAI(base_url=running.url, api_key="-", timeout=600, max_retries=0)
+        started = time.monotonic()
+        with ThreadPoolExecutor(players) as pool:
+            rows = [row for rows in pool.map(lambda p: conversation(client, running.model, p, turns, system),
+                                             range(players)) for row in rows]
+        seconds = time.monotonic() - started
+    done = [r for r in rows if "error" not in r]
+    later = [r for r in done if r["turn"] >= 2 and r["ttft_s"] is not None]
+    by_turn = {t: statistics.median([r["ttft_s"] for r in done if r["turn"] == t and r["ttft_s"] is not None] or [0])
+               for t in range(turns)}
+    return {"seconds": round(seconds, 1), "errors": len(rows) - len(done), "turns": len(done),
+            "tokens_per_s": round(sum(r["tokens"] for r in done) / seconds, 2),
+            "ttft_from_turn_3_median_s": round(statistics.median(r["ttft_s"] for r in later), 3) if later else None,
+            "cached_share_from_turn_3": round(sum(r["cached_tokens"] for r in later)
+                                              / max(1, sum(r["prompt_tokens"] for r in later)), 3),
+            "ttft_median_by_turn_s": by_turn, "rows": rows}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--players", type=int, default=32)
+    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--system-tokens", type=int, default=300)
+    parser.add_argument("--out", default="bench/results/conversations")
+    args = parser.parse_args(argv)
+    system = system_prompt(args.system_tokens)
+    results = {}
+    for label, env in MODES.items():
+        results[label] = run_mode(env, label, args.players, args.turns, system)
+        print(f"{label}: done in {results[label]['seconds']} s", file=sys.stderr)
+    on, off = results["routing"], results["no routing"]
+    summary = {"ttft_ratio": ratio(on["ttft_from_turn_3_median_s"], off["ttft_from_turn_3_median_s"]),
+               "tokens_per_s_ratio": ratio(on["tokens_per_s"], off["tokens_per_s"])}
+    print(f"\n{args.players} conversations x {args.turns} turns, 2 workers (TORCH_THREADS=1 each), "
+          f"~{args.system_tokens}-token system prompt, replies up to {REPLY_TOKENS} tokens\n")
+    print("| | routing | no routing | ratio | bar |\n|---|---:|---:|---:|---|")
+    print(f"| time to first token from turn 3, median s | {on['ttft_from_turn_3_median_s']} | "
+          f"{off['ttft_from_turn_3_median_s']} | {_r(summary['ttft_ratio'])} | <= 0.4 |")
+    print(f"| tokens/s | {on['tokens_per_s']} | {off['tokens_per_s']} | {_r(summary['tokens_per_s_ratio'])} | >= 1.2 |")
+    print(f"| prompt tokens found cached, turns 3+ | {on['cached_share_from_turn_3']:.0%} | "
+          f"{off['cached_share_from_turn_3']:.0%} | | |")
+    print(f"| errors | {on['errors']} | {off['errors']} | | |")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_json(out.with_suffix(".json"), {"when": datetime.datetime.now().isoformat(timespec="seconds"),
+                                          "machine": platform.processor() or platform.machine(),
+                                          "args": vars(args), "summary": summary, "modes": results}, indent=1)
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for label, color in (("routing", "#2a7"), ("no routing", "#999")):
+        by_turn = results[label]["ttft_median_by_turn_s"]
+        ax.plot([t + 1 for t in by_turn], list(by_turn.values()), "o-", color=color, label=label)
+    ax.set_xlabel("turn")
+    ax.set_ylabel("time to first token, median (s)")
+    ax.set_title(f"{args.players} NPC conversations on two workers")
+    ax.legend()
+    fig.tight_layout()
+    save_figure(fig, out.with_suffix(".png"), dpi=110)
+    print(f"\nwrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    return 0
+
+
+def _r(value):
+    return None if value is None else round(value, 2)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
