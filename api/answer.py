@@ -82,8 +82,9 @@ class Answerer:
         if self.settings.affinity_wait <= 0:
             return jobs
         own, offer = routing.plan(self.client, req.model, prompts, req.routing_key, workers)
+        routed = metrics.ROUTED.labels(req.model)  # the model's series from its first request, at 0 too
         if offer:
-            metrics.ROUTED.labels(req.model).inc()
+            routed.inc()
         return [replace(job, route=own[i // req.n], offer=offer or "") for i, job in enumerate(jobs)]
 
     def submit(self, model: str, jobs: list[Job], grammar: Optional[grammars.Grammar], cap: int) -> Pending:
