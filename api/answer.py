@@ -79,10 +79,10 @@ class Answerer:
     def route(self, req: CompletionRequest, prompts: list[list[int]], workers, jobs: list[Job]) -> list[Job]:
         """Each job's note for its answer, and the worker it is offered to first: the one whose
         prefix cache holds its conversation (api/routing.py); as they were with --affinity-wait 0."""
+        routed = metrics.ROUTED.labels(req.model)  # the model's series from its first request, at 0 too
         if self.settings.affinity_wait <= 0:
             return jobs
         own, offer = routing.plan(self.client, req.model, prompts, req.routing_key, workers)
-        routed = metrics.ROUTED.labels(req.model)  # the model's series from its first request, at 0 too
         if offer:
             routed.inc()
         return [replace(job, route=own[i // req.n], offer=offer or "") for i, job in enumerate(jobs)]

@@ -5,7 +5,7 @@ conversation (docs/scaling.md, routing) and without it, in one run.
     python -m bench.conversations --players 8 --turns 4 --out /tmp/conversations   # a quick look
 
 Each mode starts its own stack (redis-server, the API, two workers of the packaged SmolLM2 with
-TORCH_THREADS=1 each, on this 2-core machine); `AFFINITY_WAIT=0` turns routing off. Every player
+TORCH_THREADS=1 each, on this 2-core machine); `AFFINITY_WAIT` 0.05 s turns routing on, 0 off. Every player
 holds one conversation: a shared ~300-token system prompt, then `--turns` turns, each a line of 10-40
 words, a streamed reply of up to 80 tokens (sampled, seeded per player and turn), then 1-3 s before
 the next line; its `user` field is the player's. Each turn's time to first token, its tokens and
@@ -30,7 +30,7 @@ from bench.report import pyplot, save_figure, write_json
 from bench.stack import stack
 from bench.stats import ratio
 
-MODES = {"routing": {}, "no routing": {"AFFINITY_WAIT": "0"}}
+MODES = {"routing": {"AFFINITY_WAIT": "0.05"}, "no routing": {"AFFINITY_WAIT": "0"}}
 REPLY_TOKENS = 80
 
 
