@@ -29,6 +29,9 @@ from bench.prompts import make_lore, system_prompt
 from bench.report import pyplot, save_figure, write_json
 from bench.stack import stack
 from bench.stats import ratio
+from serve import free_port
+from shared import metrics as names
+from tests.prometheus_text import scrape, value
 
 MODES = {"routing": {"AFFINITY_WAIT": "0.05"}, "no routing": {"AFFINITY_WAIT": "0"}}
 REPLY_TOKENS = 80
@@ -66,16 +69,38 @@ def conversation(client, model: str, player: int, turns: int, system: str) -> li
     return rows
 
 
+def offer_waits(samples: list[dict]) -> dict:
+    """The workers' offered jobs (taken by their own worker, or by the other once the offer lapsed)
+    and quantiles of the own takes' wait (storyteller_offer_wait_seconds: the upper bound of the
+    bucket each quantile falls in), summed over the workers' /metrics."""
+    own = sum(value(s, names.OFFERED_JOBS, taken_by="own") for s in samples)
+    other = sum(value(s, names.OFFERED_JOBS, taken_by="other") for s in samples)
+    buckets = sorted({float(dict(labels)["le"]) for s in samples for (n, labels) in s
+                      if n == names.OFFER_WAIT + "_bucket"})
+    counts = [sum(value(s, names.OFFER_WAIT + "_bucket", le=_le(b)) for s in samples) for b in buckets]
+    total = counts[-1] if counts else 0
+    quantile = lambda q: next((b for b, c in zip(buckets, counts) if c >= q * total), None) if total else None  # noqa: E731
+    return {"offered_own": own, "offered_taken_over": other,
+            "own_wait_s": {f"p{round(q * 100)}": quantile(q) for q in (0.5, 0.9, 0.99)}}
+
+
+def _le(bound: float) -> str:
+    """A bucket's `le` label as prometheus-client writes it."""
+    return "+Inf" if bound == float("inf") else repr(bound)
+
+
 def run_mode(env: dict, label: str, players: int, turns: int, system: str) -> dict:
     import openai
+    ports = [free_port(), free_port()]
     with stack(env, label=f"conversations-{label}", workers=2,
-               worker_env=[{"TORCH_THREADS": "1"}, {"TORCH_THREADS": "1"}]) as running:
+               worker_env=[{"TORCH_THREADS": "1", "METRICS_PORT": port} for port in ports]) as running:
         client = openai.OpenAI(base_url=running.url, api_key="-", timeout=600, max_retries=0)
         started = time.monotonic()
         with ThreadPoolExecutor(players) as pool:
             rows = [row for rows in pool.map(lambda p: conversation(client, running.model, p, turns, system),
                                              range(players)) for row in rows]
         seconds = time.monotonic() - started
+        offers = offer_waits([scrape(f"http://127.0.0.1:{port}/metrics") for port in ports])
     done = [r for r in rows if "error" not in r]
     later = [r for r in done if r["turn"] >= 2 and r["ttft_s"] is not None]
     by_turn = {t: statistics.median([r["ttft_s"] for r in done if r["turn"] == t and r["ttft_s"] is not None] or [0])
@@ -85,7 +110,7 @@ def run_mode(env: dict, label: str, players: int, turns: int, system: str) -> di
             "ttft_from_turn_3_median_s": round(statistics.median(r["ttft_s"] for r in later), 3) if later else None,
             "cached_share_from_turn_3": round(sum(r["cached_tokens"] for r in later)
                                               / max(1, sum(r["prompt_tokens"] for r in later)), 3),
-            "ttft_median_by_turn_s": by_turn, "rows": rows}
+            "ttft_median_by_turn_s": by_turn, "offers": offers, "rows": rows}
 
 
 def main(argv=None) -> int:
@@ -112,6 +137,10 @@ def main(argv=None) -> int:
     print(f"| prompt tokens found cached, turns 3+ | {on['cached_share_from_turn_3']:.0%} | "
           f"{off['cached_share_from_turn_3']:.0%} | | |")
     print(f"| errors | {on['errors']} | {off['errors']} | | |")
+    offers = on["offers"]
+    print(f"\nrouting: {offers['offered_own']:.0f} offered jobs taken by their own worker, "
+          f"{offers['offered_taken_over']:.0f} by the other once the offer lapsed; the own takes' wait "
+          f"(bucket bounds, s): {offers['own_wait_s']}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json(out.with_suffix(".json"), {"when": datetime.datetime.now().isoformat(timespec="seconds"),

@@ -30,6 +30,10 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 QUEUE_WAIT = Histogram(names.QUEUE_WAIT, "From a job's queueing by the API to its taking by a worker "
                        "(both in Redis' clock)", ["model"], buckets=WAIT_BUCKETS)
+# What --affinity-wait should cover: how long the worker a job is offered to takes to take it (a step
+# it is in the middle of, a batch it must first finish); bench/conversations.py reads it.
+OFFER_WAIT = Histogram(names.OFFER_WAIT, "From the queueing of a job offered to this worker (routing) "
+                       "to its taking by this worker (both in Redis' clock)", ["model"], buckets=WAIT_BUCKETS)
 TIME_PER_OUTPUT_TOKEN = Histogram(names.TIME_PER_OUTPUT_TOKEN, "A finished job's time from its first "
                                   "token to its last, per token after the first", ["model"],
                                   buckets=TOKEN_BUCKETS)
@@ -42,9 +46,11 @@ RESUMED_TOKENS = Counter(names.RESUMED_TOKENS, "Tokens of requeued jobs taken fr
 class WorkerMetrics:
     """What the worker loop reports as it goes: a job taken, a step run, jobs finished."""
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, worker_id: str = ""):
         # Bound once: a step costs one histogram observation, not a label lookup too.
+        self.worker_id = worker_id
         self._wait = QUEUE_WAIT.labels(model)
+        self._offer_wait = OFFER_WAIT.labels(model)
         self._per_token = TIME_PER_OUTPUT_TOKEN.labels(model)
         self._batch = BATCH_SIZE.labels(model)
         self._resumed = RESUMED_TOKENS.labels(model)  # bound now: exported at 0 before any resume
@@ -54,6 +60,8 @@ class WorkerMetrics:
         waited = clock.queue_wait(job.enqueued_at, redis_now)
         if waited is not None:
             self._wait.observe(waited)
+            if job.offer and job.offer == self.worker_id:
+                self._offer_wait.observe(waited)
 
     def resumed(self, tokens: int) -> None:
         self._resumed.inc(tokens)

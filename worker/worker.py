@@ -60,7 +60,7 @@ class Worker:
         self.grammars = grammars
         self.info = info
         self.settings = settings
-        self.metrics = WorkerMetrics(info.model)
+        self.metrics = WorkerMetrics(info.model, info.id)
         # Set by SIGTERM: finish what we hold, and take no more while another worker of the model
         # takes jobs (the last ones to stop empty the queue: _admit).
         self.stopping = threading.Event()
