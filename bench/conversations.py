@@ -3,6 +3,7 @@ conversation (docs/scaling.md, routing) and without it, in one run.
 
     python -m bench.conversations --out docs/results/conversations
     python -m bench.conversations --players 8 --turns 4 --out /tmp/conversations   # a quick look
+    python -m bench.conversations --pause-s 20   # and a third run, one worker stopped for 20 s
 
 Each mode starts its own stack (redis-server, the API, two workers of the packaged SmolLM2 with
 TORCH_THREADS=1 each, on this 2-core machine); `AFFINITY_WAIT` 0.05 s turns routing on, 0 off. Every player
@@ -17,13 +18,16 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import platform
 import random
+import signal
 import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Optional
 
 from bench.prompts import make_lore, system_prompt
 from bench.report import pyplot, save_figure, write_json
@@ -34,6 +38,7 @@ from shared import metrics as names
 from tests.prometheus_text import scrape, value
 
 MODES = {"routing": {"AFFINITY_WAIT": "0.05"}, "no routing": {"AFFINITY_WAIT": "0"}}
+PAUSED = "routing, a worker paused"  # --pause-s: routing on, one worker stopped (SIGSTOP) mid-run
 REPLY_TOKENS = 80
 
 
@@ -61,6 +66,7 @@ def conversation(client, model: str, player: int, turns: int, system: str) -> li
             return rows
         details = usage.prompt_tokens_details if usage else None
         rows.append({"player": player, "turn": turn, "ttft_s": first, "seconds": time.monotonic() - start,
+                     "started": start,
                      "tokens": usage.completion_tokens if usage else 0,
                      "prompt_tokens": usage.prompt_tokens if usage else 0,
                      "cached_tokens": (details.cached_tokens or 0) if details else 0})
@@ -89,14 +95,26 @@ def _le(bound: float) -> str:
     return "+Inf" if bound == float("inf") else repr(bound)
 
 
-def run_mode(env: dict, label: str, players: int, turns: int, system: str) -> dict:
+def pause_worker(process, after_s: float, pause_s: float, window: dict) -> None:
+    """Stop `process` (SIGSTOP: its heartbeat stops too) `after_s` into the run, for `pause_s`."""
+    time.sleep(after_s)
+    window["from"] = time.monotonic()
+    os.kill(process.pid, signal.SIGSTOP)
+    time.sleep(pause_s)
+    os.kill(process.pid, signal.SIGCONT)
+    window["to"] = time.monotonic()
+
+
+def run_mode(env: dict, label: str, players: int, turns: int, system: str, pause_s: float = 0) -> dict:
     import openai
     ports = [free_port(), free_port()]
     with stack(env, label=f"conversations-{label}", workers=2,
                worker_env=[{"TORCH_THREADS": "1", "METRICS_PORT": port} for port in ports]) as running:
         client = openai.OpenAI(base_url=running.url, api_key="-", timeout=600, max_retries=0)
-        started = time.monotonic()
-        with ThreadPoolExecutor(players) as pool:
+        started, window = time.monotonic(), {}
+        with ThreadPoolExecutor(players + 1) as pool:
+            if pause_s:  # a third of the way into a run of ~turns x 8 s
+                pool.submit(pause_worker, running.worker_processes[1], turns * 8 / 3, pause_s, window)
             rows = [row for rows in pool.map(lambda p: conversation(client, running.model, p, turns, system),
                                              range(players)) for row in rows]
         seconds = time.monotonic() - started
@@ -110,7 +128,18 @@ def run_mode(env: dict, label: str, players: int, turns: int, system: str) -> di
             "ttft_from_turn_3_median_s": round(statistics.median(r["ttft_s"] for r in later), 3) if later else None,
             "cached_share_from_turn_3": round(sum(r["cached_tokens"] for r in later)
                                               / max(1, sum(r["prompt_tokens"] for r in later)), 3),
-            "ttft_median_by_turn_s": by_turn, "offers": offers, "rows": rows}
+            "ttft_median_by_turn_s": by_turn, "offers": offers, "paused": during(done, window),
+            "rows": [{k: v for k, v in r.items() if k != "started"} for r in rows]}
+
+
+def during(rows: list[dict], window: dict) -> Optional[dict]:
+    """The turns begun while a worker was paused: how many, and their times to first token."""
+    if not window:
+        return None
+    inside = [r["ttft_s"] for r in rows if window["from"] <= r["started"] < window["to"] and r["ttft_s"] is not None]
+    return {"seconds": round(window["to"] - window["from"], 1), "turns": len(inside),
+            "ttft_median_s": round(statistics.median(inside), 3) if inside else None,
+            "ttft_max_s": round(max(inside), 3) if inside else None}
 
 
 def main(argv=None) -> int:
@@ -118,12 +147,16 @@ def main(argv=None) -> int:
     parser.add_argument("--players", type=int, default=32)
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--system-tokens", type=int, default=300)
+    parser.add_argument("--pause-s", type=float, default=0,
+                        help="also run routing with one worker stopped this long a third of the way in")
     parser.add_argument("--out", default="bench/results/conversations")
     args = parser.parse_args(argv)
     system = system_prompt(args.system_tokens)
     results = {}
-    for label, env in MODES.items():
-        results[label] = run_mode(env, label, args.players, args.turns, system)
+    modes = {**MODES, **({PAUSED: MODES["routing"]} if args.pause_s else {})}
+    for label, env in modes.items():
+        results[label] = run_mode(env, label, args.players, args.turns, system,
+                                  args.pause_s if label == PAUSED else 0)
         print(f"{label}: done in {results[label]['seconds']} s", file=sys.stderr)
     on, off = results["routing"], results["no routing"]
     summary = {"ttft_ratio": ratio(on["ttft_from_turn_3_median_s"], off["ttft_from_turn_3_median_s"]),
@@ -137,6 +170,13 @@ def main(argv=None) -> int:
     print(f"| prompt tokens found cached, turns 3+ | {on['cached_share_from_turn_3']:.0%} | "
           f"{off['cached_share_from_turn_3']:.0%} | | |")
     print(f"| errors | {on['errors']} | {off['errors']} | | |")
+    if PAUSED in results:
+        paused = results[PAUSED]
+        print(f"\n{PAUSED} ({paused['paused']['seconds']} s): {paused['paused']['turns']} turns begun in the "
+              f"pause, time to first token median {paused['paused']['ttft_median_s']} s, at most "
+              f"{paused['paused']['ttft_max_s']} s (the whole run's median from turn 3: "
+              f"{paused['ttft_from_turn_3_median_s']} s); offered jobs taken over: "
+              f"{paused['offers']['offered_taken_over']:.0f}; errors {paused['errors']}")
     offers = on["offers"]
     print(f"\nrouting: {offers['offered_own']:.0f} offered jobs taken by their own worker, "
           f"{offers['offered_taken_over']:.0f} by the other once the offer lapsed; the own takes' wait "
@@ -148,7 +188,9 @@ def main(argv=None) -> int:
                                           "args": vars(args), "summary": summary, "modes": results}, indent=1)
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4))
-    for label, color in (("routing", "#2a7"), ("no routing", "#999")):
+    for label, color in (("routing", "#2a7"), ("no routing", "#999"), (PAUSED, "#d62")):
+        if label not in results:
+            continue
         by_turn = results[label]["ttft_median_by_turn_s"]
         ax.plot([t + 1 for t in by_turn], list(by_turn.values()), "o-", color=color, label=label)
     ax.set_xlabel("turn")

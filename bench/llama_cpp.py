@@ -115,6 +115,11 @@ def build(amx: bool = True) -> Path:
     return root
 
 
+def build_name() -> str:
+    """The build the benchmarks run: its directory's name (`-noamx` where AMX could not run)."""
+    return _usable_build().name
+
+
 def llama_server() -> Path:
     return _binary("llama-server")
 

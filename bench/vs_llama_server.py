@@ -206,7 +206,7 @@ def main(argv=None) -> int:
     write_json(out + ".json", {"file": path.name, "shape": None if args.model_file else args.shape,
                                "machine": {"cpu": cpu_name(),
                                            "llama_cpp": f"llama-cpp-python {llama_cpp.gguf_files.CONVERTER_VERSION}"
-                                                        " vendored, GGML_NATIVE=ON, -t 2"},
+                                                        f" vendored, GGML_NATIVE=ON, -t 2 ({llama_cpp.build_name()})"},
                                "storyteller_kv_memory_mib": args.kv_memory or None,
                                "storyteller_kv_dtype": args.kv_dtype, "rows": rows, "runs": runs})
     plot_crowds(runs, out + ".png")
