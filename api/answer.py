@@ -10,7 +10,7 @@ step a line, in the order a request takes them, which is also the order its mist
   room       each prompt must leave room to write, and sets its jobs' max_tokens (api/checks.py)
   jobs       one per prompt and choice, each with its own seed
   route      each job's note for its answer, and the worker it is offered to first (api/routing.py;
-             off with --affinity-wait 0, the default)
+             off with --affinity-wait 0)
   submit     the grammar stored, then the jobs' channels subscribed and the jobs queued (api/broker.py)
   answer     whole (here), or as server-sent events (api/streaming.py)
 

@@ -25,6 +25,7 @@ import signal
 import statistics
 import sys
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
@@ -81,18 +82,16 @@ def offer_waits(samples: list[dict]) -> dict:
     bucket each quantile falls in), summed over the workers' /metrics."""
     own = sum(value(s, names.OFFERED_JOBS, taken_by="own") for s in samples)
     other = sum(value(s, names.OFFERED_JOBS, taken_by="other") for s in samples)
-    buckets = sorted({float(dict(labels)["le"]) for s in samples for (n, labels) in s
-                      if n == names.OFFER_WAIT + "_bucket"})
-    counts = [sum(value(s, names.OFFER_WAIT + "_bucket", le=_le(b)) for s in samples) for b in buckets]
-    total = counts[-1] if counts else 0
-    quantile = lambda q: next((b for b, c in zip(buckets, counts) if c >= q * total), None) if total else None  # noqa: E731
+    by_bound = Counter()  # a bucket's `le` label -> its count, summed over the workers
+    for s in samples:
+        for (name, labels), count in s.items():
+            if name == names.OFFER_WAIT + "_bucket":
+                by_bound[dict(labels)["le"]] += count
+    bounds = sorted(by_bound, key=float)  # float("+Inf") sorts last
+    total = by_bound[bounds[-1]] if bounds else 0
+    quantile = lambda q: next(float(b) for b in bounds if by_bound[b] >= q * total) if total else None  # noqa: E731
     return {"offered_own": own, "offered_taken_over": other,
             "own_wait_s": {f"p{round(q * 100)}": quantile(q) for q in (0.5, 0.9, 0.99)}}
-
-
-def _le(bound: float) -> str:
-    """A bucket's `le` label as prometheus-client writes it."""
-    return "+Inf" if bound == float("inf") else repr(bound)
 
 
 def pause_worker(process, after_s: float, pause_s: float, window: dict) -> None:

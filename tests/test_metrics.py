@@ -8,6 +8,7 @@ import json
 import threading
 import time
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import redis
@@ -242,3 +243,14 @@ def test_worker_histograms_observe_queue_wait_per_token_time_and_batches():
     samples = parse(generate_latest().decode())
     assert value(samples, names.QUEUE_WAIT + "_count", model="histograms") == 1  # unstamped: not observed
     assert 0.5 <= value(samples, names.QUEUE_WAIT + "_sum", model="histograms") < 5
+
+
+def test_the_offer_wait_counts_only_jobs_offered_to_this_worker():
+    observed = WorkerMetrics("offers", worker_id="w1")
+    own, other, shared = (replace(job, offer=offer) for job, offer in zip(_shared_prefix_jobs(3), ("w1", "w2", "")))
+    for job in (own, other, shared):
+        observed.taken(job, redis_now=time.time())
+    samples = parse(generate_latest().decode())
+    assert value(samples, names.QUEUE_WAIT + "_count", model="offers") == 3
+    assert value(samples, names.OFFER_WAIT + "_count", model="offers") == 1  # its own offer, not w2's nor none
+    assert 0.5 <= value(samples, names.OFFER_WAIT + "_sum", model="offers") < 5

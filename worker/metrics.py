@@ -30,8 +30,9 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 QUEUE_WAIT = Histogram(names.QUEUE_WAIT, "From a job's queueing by the API to its taking by a worker "
                        "(both in Redis' clock)", ["model"], buckets=WAIT_BUCKETS)
-# What --affinity-wait should cover: how long the worker a job is offered to takes to take it (a step
-# it is in the middle of, a batch it must first finish); bench/conversations.py reads it.
+# How long a job offered to this worker waited before this worker took it: in a pool with room, the
+# step it finished first, which --affinity-wait should cover; in a saturated one, mostly its time in
+# line (docs/scaling.md). bench/conversations.py reads it.
 OFFER_WAIT = Histogram(names.OFFER_WAIT, "From the queueing of a job offered to this worker (routing) "
                        "to its taking by this worker (both in Redis' clock)", ["model"], buckets=WAIT_BUCKETS)
 TIME_PER_OUTPUT_TOKEN = Histogram(names.TIME_PER_OUTPUT_TOKEN, "A finished job's time from its first "
