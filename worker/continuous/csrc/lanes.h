@@ -64,6 +64,9 @@ static inline Floats sbytes16(const uint8_t* p) {
   return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
 }
 static inline void store(Floats a, float* p) { _mm512_storeu_ps(p, a.v); }
+// The value as it is, out of the compiler's algebra: -ffast-math may otherwise fold a multiply
+// that made it into the next one (d sc dx as d (sc dx)) in one caller and not in another.
+static inline void pin(Floats& a) { asm volatile("" : "+v"(a.v)); }
 static inline Floats loadf(const float* p) { return {_mm512_load_ps(p)}; }
 static inline void store_ints(Ints a, uint8_t* p) { _mm512_store_si512(p, a.v); }
 #else
@@ -125,6 +128,7 @@ static inline Floats sbytes16(const uint8_t* p) {
   return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)))};
 }
 static inline void store(Floats x, float* p) { _mm256_storeu_ps(p, x.a); _mm256_storeu_ps(p + 8, x.b); }
+static inline void pin(Floats& x) { asm volatile("" : "+v"(x.a), "+v"(x.b)); }
 static inline Floats loadf(const float* p) { return {_mm256_load_ps(p), _mm256_load_ps(p + 8)}; }
 static inline void store_ints(Ints x, uint8_t* p) {
   _mm256_store_si256(reinterpret_cast<__m256i*>(p), x.a);
