@@ -123,40 +123,29 @@ struct Activations {
         out[i] = static_cast<int8_t>(rounded);
         half[i / 16] += rounded;
       }
-      dx[r * G + g] = amax / 127.f;
-      dsum[r * G + g] = dx[r * G + g] * static_cast<float>(half[0] + half[1]);
-      sums[(r * G + g) * 2] = half[0];
-      sums[(r * G + g) * 2 + 1] = half[1];
+      keep(r, g, amax, half[0], half[1]);
     }
   }
 
 #ifdef __AVX512F__
-  // The same, 16 values a vector: the same maximum, the same float32 multiply, and cvtps2dq rounds to
-  // nearest, ties to even, as nearbyint does (the default rounding mode): the same bytes.
-  static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-  static inline __m512 load16(const c10::BFloat16* p) {
-    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-  }
+  // The same, 16 values a vector (rowwise.h): the same maximum, float32 multiply and rounding, the same bytes.
   template <typename T>
   STORYTELLER_ROW void row16(const T* x, int64_t r) {
     for (int64_t g = 0; g < G; ++g) {
-      const __m512 v0 = load16(x + g * GROUP), v1 = load16(x + g * GROUP + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)));
-      const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
-      int8_t* out = q.data() + r * K + g * GROUP;
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(q0));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtepi32_epi8(q1));
-      const int32_t half0 = _mm512_reduce_add_epi32(q0), half1 = _mm512_reduce_add_epi32(q1);
-      dx[r * G + g] = amax / 127.f;
-      dsum[r * G + g] = dx[r * G + g] * static_cast<float>(half0 + half1);
-      sums[(r * G + g) * 2] = half0;
-      sums[(r * G + g) * 2 + 1] = half1;
+      int32_t half0, half1;
+      const float amax = round_group32(x + g * GROUP, q.data() + r * K + g * GROUP, half0, half1);
+      keep(r, g, amax, half0, half1);
     }
   }
 #endif
+
+  // What the kernel needs of row r's group g besides its bytes q.
+  void keep(int64_t r, int64_t g, float amax, int32_t half0, int32_t half1) {
+    dx[r * G + g] = amax / 127.f;
+    dsum[r * G + g] = dx[r * G + g] * static_cast<float>(half0 + half1);
+    sums[(r * G + g) * 2] = half0;
+    sums[(r * G + g) * 2 + 1] = half1;
+  }
 };
 
 // Vector v's (0-7) weights' bits above the nibble, moved to bits 4 and up of each byte.

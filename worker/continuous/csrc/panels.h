@@ -80,24 +80,11 @@ struct Activations {
   }
 
  private:
-  static inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
-  static inline __m512 load16(const c10::BFloat16* x) {  // bf16 is a float's top half
-    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-  }
-
   template <typename T>
   void group(const T* x, int64_t at, int8_t* out) {
-    const __m512 a = load16(x), b = load16(x + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    // Rounded to nearest, ties to even: the same as std::nearbyint in int8.h.
-    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
-    const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(qa));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtepi32_epi8(qb));
-    dx[at] = amax / 127.f;
-    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    int32_t half0, half1;
+    dx[at] = round_group32(x, out, half0, half1) / 127.f;  // rowwise.h
+    const int32_t sum = half0 + half1;
     s[at] = dx[at] * static_cast<float>(sum);
     c[at] = -128 * sum;
   }

@@ -72,6 +72,30 @@ static void in_pieces(int64_t begin, int64_t end, int64_t grain, const F& f) {
 }
 
 #ifdef __AVX512F__
+// 16 values as floats (bf16 is a float's top half: exact).
+static inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+static inline __m512 load16(const c10::BFloat16* x) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// A group of 32 activations rounded to 8 bits, as the integer kernels take them (panels.h,
+// kquants.h): q = round(x 127 / max|x|) to nearest, ties to even (cvtps2dq in the default rounding
+// mode, as std::nearbyint in int8.h and in kquants.h's scalar loop), into out. Returns max|x|;
+// half0 and half1 get the sums of q over values 0-15 and 16-31.
+template <typename T>
+static inline float round_group32(const T* x, int8_t* out, int32_t& half0, int32_t& half1) {
+  const __m512 a = load16(x), b = load16(x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
+  const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtepi32_epi8(qb));
+  half0 = _mm512_reduce_add_epi32(qa), half1 = _mm512_reduce_add_epi32(qb);
+  return amax;
+}
+
 // 16 products stored in the output's type. bf16: rounded to nearest, ties to even, as c10::BFloat16
 // rounds (in integers, so that CPUs without AVX512_BF16's vcvtneps2bf16 give the same bits; a
 // product is never NaN here).
