@@ -57,7 +57,8 @@ class Answerer:
         jobs = self.route(req, prompts, workers,
                           make_jobs(req, prompts, max_tokens, request_id, self.settings.request_timeout))
         shape = answer_shape(req, request_id, tokenizer, tool_spec, grammar)
-        pending = self.submit(req.model, jobs, grammar, cap)
+        wait = routing.offer_wait(jobs[0].offer, workers, self.settings.affinity_wait) if jobs[0].offer else 0.0
+        pending = self.submit(req.model, jobs, grammar, cap, wait)
         prompt_tokens = sum(len(p) for p in prompts)
         counted = metrics.Answer(req.model)
         if req.stream:
@@ -89,10 +90,11 @@ class Answerer:
             routed.inc()
         return [replace(job, route=own[i // req.n], offer=offer or "") for i, job in enumerate(jobs)]
 
-    def submit(self, model: str, jobs: list[Job], grammar: Optional[grammars.Grammar], cap: int) -> Pending:
+    def submit(self, model: str, jobs: list[Job], grammar: Optional[grammars.Grammar], cap: int,
+               offer_wait_s: float = 0.0) -> Pending:
         if grammar is not None:
             grammars.store(self.client, model, grammar)  # before the jobs: a worker fetches it
-        return self.broker.submit(jobs, cap)
+        return self.broker.submit(jobs, cap, offer_wait_s)
 
 
 def parse(chat: bool, lenient: bool) -> CompletionRequest:

@@ -33,7 +33,7 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 def create_app(settings: Optional[Settings] = None, client: Optional[redis.Redis] = None) -> Flask:
     settings = settings or Settings.from_env()
     client = client or redis_client(settings)
-    broker = Broker(client, settings.worker_grace, settings.max_queue, settings.affinity_wait)
+    broker = Broker(client, settings.worker_grace, settings.max_queue)
     answerer = Answerer(settings, client, broker, TokenizerCache(client))  # the pipeline: api/answer.py
     app = Flask(__name__)
     app.json = _JsonProvider(app)

@@ -70,11 +70,9 @@ RESUBSCRIBED = object()
 
 
 class Broker:
-    def __init__(self, client: redis.Redis, worker_grace_s: float = 60.0, max_queue: int = -1,
-                 affinity_wait_s: float = 0.0):
+    def __init__(self, client: redis.Redis, worker_grace_s: float = 60.0, max_queue: int = -1):
         self.redis = client
         self.worker_grace_s = worker_grace_s
-        self.affinity_wait_s = affinity_wait_s  # how long an offered job is its worker's alone
         self.admission = Admission(client, max_queue)
         self.subscriber = ShardedSubscriber(client) if is_cluster_client(client) else Subscriber(client)
         # Every waiting request checks the workers' liveness each LOOK_EVERY_S: one read, shared
@@ -122,9 +120,10 @@ class Broker:
         raise ApiError(404, f"the model '{model}' does not exist; served here: {', '.join(served)}",
                        param="model", code="model_not_found")
 
-    def submit(self, jobs: list[Job], cap: int) -> "Pending":
-        """Subscribe to the jobs' channels, then queue them (429 beyond `cap` waiting jobs)."""
-        return Pending(self, jobs, cap)
+    def submit(self, jobs: list[Job], cap: int, offer_wait_s: float = 0.0) -> "Pending":
+        """Subscribe to the jobs' channels, then queue them (429 beyond `cap` waiting jobs); jobs
+        offered to a worker (Job.offer) are its alone for `offer_wait_s`."""
+        return Pending(self, jobs, cap, offer_wait_s)
 
 
 class Inbox:
@@ -463,7 +462,7 @@ class _Shard(Subscriber):
 class Pending:
     """A request's jobs in flight. Subscribes to their channels first, then pushes them."""
 
-    def __init__(self, broker: Broker, jobs: list[Job], cap: int):
+    def __init__(self, broker: Broker, jobs: list[Job], cap: int, offer_wait_s: float = 0.0):
         self.broker = broker
         self.jobs = jobs
         self._index = {keys.channel(j.model, j.id).encode(): i for i, j in enumerate(jobs)}
@@ -473,7 +472,7 @@ class Pending:
         # Pub/sub drops messages nobody listens for: listen() returns once Redis has confirmed.
         self._inbox = broker.subscriber.listen(list(self._index))
         try:
-            broker.admission.push(jobs, cap, broker.affinity_wait_s)
+            broker.admission.push(jobs, cap, offer_wait_s)
         except Exception:
             broker.subscriber.forget(self._inbox)
             raise

@@ -4,9 +4,10 @@ conversation (docs/scaling.md, routing) and without it, in one run.
     python -m bench.conversations --out docs/results/conversations
     python -m bench.conversations --players 8 --turns 4 --out /tmp/conversations   # a quick look
     python -m bench.conversations --pause-s 20   # and a third run, one worker stopped for 20 s
+    python -m bench.conversations --model path/to/model.Q4_K_M.gguf --players 8   # a larger model
 
-Each mode starts its own stack (redis-server, the API, two workers of the packaged SmolLM2 with
-TORCH_THREADS=1 each, on this 2-core machine); `AFFINITY_WAIT` 0.05 s turns routing on, 0 off. Every player
+Each mode starts its own stack (redis-server, the API, two workers of the packaged SmolLM2, or of
+`--model`, with TORCH_THREADS=1 each, on this 2-core machine); `AFFINITY_WAIT` 0.05 s turns routing on, 0 off. Every player
 holds one conversation: a shared ~300-token system prompt, then `--turns` turns, each a line of 10-40
 words, a streamed reply of up to 80 tokens (sampled, seeded per player and turn), then 1-3 s before
 the next line; its `user` field is the player's. Each turn's time to first token, its tokens and
@@ -104,10 +105,11 @@ def pause_worker(process, after_s: float, pause_s: float, window: dict) -> None:
     window["to"] = time.monotonic()
 
 
-def run_mode(env: dict, label: str, players: int, turns: int, system: str, pause_s: float = 0) -> dict:
+def run_mode(env: dict, label: str, players: int, turns: int, system: str, pause_s: float = 0,
+             model: str = "smollm2") -> dict:
     import openai
     ports = [free_port(), free_port()]
-    with stack(env, label=f"conversations-{label}", workers=2,
+    with stack(env, model, label=f"conversations-{label}", workers=2,
                worker_env=[{"TORCH_THREADS": "1", "METRICS_PORT": port} for port in ports]) as running:
         client = openai.OpenAI(base_url=running.url, api_key="-", timeout=600, max_retries=0)
         started, window = time.monotonic(), {}
@@ -148,6 +150,7 @@ def main(argv=None) -> int:
     parser.add_argument("--system-tokens", type=int, default=300)
     parser.add_argument("--pause-s", type=float, default=0,
                         help="also run routing with one worker stopped this long a third of the way in")
+    parser.add_argument("--model", default="smollm2", help="the workers' --model (default: the packaged SmolLM2)")
     parser.add_argument("--out", default="bench/results/conversations")
     args = parser.parse_args(argv)
     system = system_prompt(args.system_tokens)
@@ -155,12 +158,12 @@ def main(argv=None) -> int:
     modes = {**MODES, **({PAUSED: MODES["routing"]} if args.pause_s else {})}
     for label, env in modes.items():
         results[label] = run_mode(env, label, args.players, args.turns, system,
-                                  args.pause_s if label == PAUSED else 0)
+                                  args.pause_s if label == PAUSED else 0, args.model)
         print(f"{label}: done in {results[label]['seconds']} s", file=sys.stderr)
     on, off = results["routing"], results["no routing"]
     summary = {"ttft_ratio": ratio(on["ttft_from_turn_3_median_s"], off["ttft_from_turn_3_median_s"]),
                "tokens_per_s_ratio": ratio(on["tokens_per_s"], off["tokens_per_s"])}
-    print(f"\n{args.players} conversations x {args.turns} turns, 2 workers (TORCH_THREADS=1 each), "
+    print(f"\n{args.players} conversations x {args.turns} turns, 2 workers of {Path(args.model).name} (TORCH_THREADS=1 each), "
           f"~{args.system_tokens}-token system prompt, replies up to {REPLY_TOKENS} tokens\n")
     print("| | routing | no routing | ratio | bar |\n|---|---:|---:|---:|---|")
     print(f"| time to first token from turn 3, median s | {on['ttft_from_turn_3_median_s']} | "
@@ -194,7 +197,7 @@ def main(argv=None) -> int:
         ax.plot([t + 1 for t in by_turn], list(by_turn.values()), "o-", color=color, label=label)
     ax.set_xlabel("turn")
     ax.set_ylabel("time to first token, median (s)")
-    ax.set_title(f"{args.players} NPC conversations on two workers")
+    ax.set_title(f"{args.players} NPC conversations on two workers of {Path(args.model).stem}")
     ax.legend()
     fig.tight_layout()
     save_figure(fig, out.with_suffix(".png"), dpi=110)

@@ -44,10 +44,11 @@ class Settings:
     max_queue: int = _setting(-1, "jobs that may wait per model before new requests get 429 with "
                                   "Retry-After (-1: "
                                   "4x what the live workers hold at once; 0: unbounded)")
-    affinity_wait: float = _setting(0.05, "seconds a conversation's next turn is offered to the worker that "
-                                          "answered its last one (its prefix cache holds the history) before "
-                                          "any worker may take it (0: no routing; docs/scaling.md says how "
-                                          "the default was measured)")
+    affinity_wait: float = _setting(0.05, "seconds at least a conversation's next turn is offered to the worker "
+                                          "that answered its last one (its prefix cache holds the history) before "
+                                          "any worker may take it; longer where that worker's steps are (two of "
+                                          "them, up to 2 s) (0: no routing; docs/scaling.md says how the "
+                                          "default was measured)")
     worker_grace: float = _setting(60.0, "seconds a request whose jobs are queued waits for a worker "
                                          "to come back (a restart) before it gives up with 503")
     api_keys: str = _setting("", "comma-separated API keys; set, every /v1 request needs "

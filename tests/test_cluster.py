@@ -8,7 +8,9 @@ full; each model's queues, processing lists, heartbeats, leases and result chann
 held by the primary that holds its queue, and the three models' primaries differ; results travel by
 sharded pub/sub (SSUBSCRIBE on each model's primary), none by plain pub/sub. A worker that died
 holding a job (its processing list, its registration) has the job put back and answered by the live
-worker of its model, and the answer published on that model's primary. A batch is refused with 501
+worker of its model, and the answer published on that model's primary. A conversation's second turn
+is routed to the worker that answered its first (the note and the notes' MGET on the model's slot).
+A batch is refused with 501
 (RQ does not work with a cluster); files still upload.
 
 Then the cluster changes under a stream being written: a model's slot moves to another primary, and
@@ -197,7 +199,7 @@ def test_models_spread_over_a_clusters_primaries_and_every_request_is_answered(c
                 keys.model_workers(model), keys.tokenizer(model), keys.lease(model, "j"), keys.answer(model, "j"),
                 keys.cancel(model, "j"), keys.attempts(model, "j"), keys.channel(model, "j"),
                 keys.written(model, "j"), keys.written_by(model, "j"), keys.live_numerics(model, "x"),
-                keys.drained_prefix(model) + "1"]
+                keys.drained_prefix(model) + "1", keys.worker_wake(model, worker_id), keys.route_prefix(model) + "d"]
             assert len({any_node.execute_command("CLUSTER KEYSLOT", k) for k in named}) == 1, model
             # Asked directly (no cluster client), the home node has them; another would answer MOVED.
             home = homes[model]
@@ -215,11 +217,18 @@ def test_models_spread_over_a_clusters_primaries_and_every_request_is_answered(c
         assert all(n.client().execute_command("PUBSUB CHANNELS") == [] for n in nodes)
         assert all(n.client().execute_command("PUBSUB NUMPAT") == 0 for n in nodes)
 
+        # A conversation's next turn is routed on a cluster too: the answer's note and the next
+        # turn's MGET of its prompt's notes run on the model's slot.
+        story = "Once upon a time a fox and a crow met by the river, and the crow had a piece of cheese. " * 2
+        for turn in (story, story + "The fox spoke first."):
+            client.completions.create(model=models[0], prompt=turn, max_tokens=2, user="player-1")
+
         # /health and /metrics read across the slots.
         assert get_json(f"http://127.0.0.1:{port}/health")[0] == 200
         metrics = _get_text(f"http://127.0.0.1:{port}/metrics")
         for model in models:
             assert f'storyteller_workers_alive{{model="{model}"}} 1.0' in metrics
+        assert f'storyteller_routed_requests_total{{model="{models[0]}"}} 1.0' in metrics, metrics
 
         _dead_workers_job_is_put_back(nodes, url, models[1], homes[models[1]], procs)
 

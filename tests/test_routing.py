@@ -128,3 +128,15 @@ def test_an_answer_leaves_the_note_the_next_turn_is_routed_by(any_redis):
 def _infos(client):
     from api.broker import Broker
     return Broker(client).live_workers()
+
+
+def test_an_offer_lasts_the_floor_or_two_of_its_workers_steps_within_the_cap(any_redis):
+    """A worker looks at the queue between steps: the offer outlasts the step its worker is in (its
+    heartbeat's step_s), so that a busy worker still gets its conversation's turn, within a cap."""
+    _worker(any_redis, "quick"), _worker(any_redis, "slow"), _worker(any_redis, "stuck")
+    infos = []
+    for w, step_s in zip(sorted(_infos(any_redis), key=lambda w: w.id), (0.01, 0.3, 60.0)):
+        infos.append(replace(w, stats={**w.stats, "step_s": step_s}))  # quick, slow, stuck
+    assert [routing.offer_wait(w, infos, 0.05) for w in ("quick", "slow", "stuck", "gone")] == [
+        0.05, 0.6, routing.OFFER_CAP_S, 0.05]
+    assert routing.offer_wait("slow", infos, 1.0) == 1.0  # --affinity-wait is the floor

@@ -28,6 +28,7 @@ from worker.sequence import Sequence
 from worker.engine_protocol import check_prompt, resumable
 
 log = logging.getLogger(__name__)
+STEP_SMOOTHING = 0.2  # each step's weight in step_s: the last ten or so count
 
 MIB = 1 << 20
 
@@ -60,6 +61,7 @@ class ContinuousEngine:
         self.numerics = ""  # the fingerprint, set by build()
         self.last_batch = 0  # sequences computed by the last step
         self.generated = 0  # tokens written, since start
+        self.step_s = 0.0  # a step's recent time, smoothed: the API offers a job this long (api/routing.py)
         # What a new request has cost its first step lately, in prompt tokens computed (prefix-cache
         # hits left out): free_slots' guess for jobs still in Redis, whose prompts it cannot see.
         self._start_cost = 0.0  # 0: nothing admitted yet
@@ -147,7 +149,9 @@ class ContinuousEngine:
         start, forced = time.perf_counter(), self.scheduler.forced
         produced = self.runner.run(plan)
         self.generated += len(produced) + self.scheduler.forced - forced
-        return self.scheduler.postprocess(plan, produced, time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        self.step_s += (elapsed - self.step_s) * (STEP_SMOOTHING if self.step_s else 1.0)
+        return self.scheduler.postprocess(plan, produced, elapsed)
 
     def reset(self) -> list[Sequence]:
         return [r.seq for r in self.scheduler.reset()]
@@ -157,7 +161,7 @@ class ContinuousEngine:
         return {"kv_blocks": self.blocks.num_blocks, "kv_usage": round(self.blocks.usage(), 4),
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "prefix_hit_tokens": self.blocks.hits, "prefix_hit_blocks": self.blocks.hits // self.blocks.block_size,
-                "preempted": self.scheduler.preempted, "generated": self.generated,
+                "preempted": self.scheduler.preempted, "generated": self.generated, "step_s": round(self.step_s, 4),
                 "forced": self.scheduler.forced}
 
 
