@@ -32,8 +32,9 @@ from typing import Callable, Optional
 
 import llguidance
 import llguidance.hf
-import numpy as np
+import llguidance.numpy
 import llguidance.torch
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ class Constraint:
     def __init__(self, matcher: llguidance.LLMatcher, width: int):
         self.matcher = matcher
         self.width = width  # the model's logits: the mask's width
-        self.mask: Optional[torch.Tensor] = None  # the next token's mask, once forced() computed it
+        self.mask: Optional[np.ndarray] = None  # the next token's mask [1, words], once forced() computed it
 
     def consume(self, token: int) -> None:
         self.mask = None
@@ -66,10 +67,10 @@ class Constraint:
         Exactly one bit in the mask, not llguidance's compute_ff_tokens: its fast-forward tokens
         are a tokenization of the forced bytes, which need not be the only token the mask allows,
         and it costs twice a mask (~90 against ~50 µs a call on SmolLM2's vocabulary)."""
-        if self.mask is None:
-            self.mask = torch.full(llguidance.torch.get_bitmask_shape(1, self.width), -1, dtype=torch.int32)
-            llguidance.torch.fill_next_token_bitmask(self.matcher, self.mask, 0)
-        words = self.mask.numpy().view(np.uint32)[0]
+        if self.mask is None:  # numpy's arrays, not torch's: this runs for every constrained row of every step
+            self.mask = np.full(llguidance.numpy.get_bitmask_shape(1, self.width), -1, dtype=np.int32)
+            llguidance.numpy.fill_next_token_bitmask(self.matcher, self.mask, 0)
+        words = self.mask.view(np.uint32)[0]
         set_words = np.flatnonzero(words)
         if len(set_words) != 1:
             return None
@@ -148,8 +149,7 @@ class MaskFiller:
         if not any(c is not None for c in constraints):
             return None
         width = next(c.width for c in constraints if c is not None)
-        bitmask = torch.full(llguidance.torch.get_bitmask_shape(len(constraints), width), -1,
-                             dtype=torch.int32)
+        bitmask = np.full(llguidance.numpy.get_bitmask_shape(len(constraints), width), -1, dtype=np.int32)
         rows = []
         for i, c in enumerate(constraints):
             if c is None:
@@ -165,10 +165,10 @@ class MaskFiller:
         return self._thread.submit(_fill, rows, bitmask)
 
 
-def _fill(rows, bitmask: torch.Tensor) -> torch.Tensor:
+def _fill(rows, bitmask: np.ndarray) -> torch.Tensor:
     for matcher, row in rows:
-        llguidance.torch.fill_next_token_bitmask(matcher, bitmask, row)
-    return bitmask
+        llguidance.numpy.fill_next_token_bitmask(matcher, bitmask, row)
+    return torch.from_numpy(bitmask)
 
 
 def apply_mask(logits: torch.Tensor, bitmask: torch.Tensor, kernel=None) -> None:
