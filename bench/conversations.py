@@ -151,12 +151,16 @@ def main(argv=None) -> int:
     parser.add_argument("--pause-s", type=float, default=0,
                         help="also run routing with one worker stopped this long a third of the way in")
     parser.add_argument("--model", default="smollm2", help="the workers' --model (default: the packaged SmolLM2)")
+    parser.add_argument("--kv-memory", type=int, default=0,
+                        help="the workers' KV cache, MiB (0: their default): smaller than the conversations "
+                             "need, a worker keeps only some histories, as a busy pool does")
     parser.add_argument("--out", default="bench/results/conversations")
     args = parser.parse_args(argv)
     system = system_prompt(args.system_tokens)
     results = {}
     modes = {**MODES, **({PAUSED: MODES["routing"]} if args.pause_s else {})}
     for label, env in modes.items():
+        env = {**env, **({"KV_MEMORY": str(args.kv_memory)} if args.kv_memory else {})}
         results[label] = run_mode(env, label, args.players, args.turns, system,
                                   args.pause_s if label == PAUSED else 0, args.model)
         print(f"{label}: done in {results[label]['seconds']} s", file=sys.stderr)
