@@ -54,11 +54,10 @@ class Answerer:
         grammar = self.constrain(req, tokenizer, tool_spec)
         max_tokens = checks.room(req, prompts, workers[0].context_window)
         request_id = uuid.uuid4().hex[:24]
-        jobs = self.route(req, prompts, workers,
-                          make_jobs(req, prompts, max_tokens, request_id, self.settings.request_timeout))
+        jobs, offer_wait_s = self.route(req, prompts, workers,
+                                        make_jobs(req, prompts, max_tokens, request_id, self.settings.request_timeout))
         shape = answer_shape(req, request_id, tokenizer, tool_spec, grammar)
-        wait = routing.offer_wait(jobs[0].offer, workers, self.settings.affinity_wait) if jobs[0].offer else 0.0
-        pending = self.submit(req.model, jobs, grammar, cap, wait)
+        pending = self.submit(req.model, jobs, grammar, cap, offer_wait_s)
         prompt_tokens = sum(len(p) for p in prompts)
         counted = metrics.Answer(req.model)
         if req.stream:
@@ -79,16 +78,20 @@ class Answerer:
             req.params = replace(req.params, grammar=grammar.digest)
         return grammar
 
-    def route(self, req: CompletionRequest, prompts: list[list[int]], workers, jobs: list[Job]) -> list[Job]:
+    def route(self, req: CompletionRequest, prompts: list[list[int]], workers,
+              jobs: list[Job]) -> tuple[list[Job], float]:
         """Each job's note for its answer, and the worker it is offered to first: the one whose
-        prefix cache holds its conversation (api/routing.py); as they were with --affinity-wait 0."""
+        prefix cache holds its conversation (api/routing.py), with how long the offer lasts (0: not
+        offered); the jobs as they were with --affinity-wait 0."""
         routed = metrics.ROUTED.labels(req.model)  # the model's series from its first request, at 0 too
         if self.settings.affinity_wait <= 0:
-            return jobs
+            return jobs, 0.0
         own, offer = routing.plan(self.client, req.model, prompts, req.routing_key, workers)
-        if offer:
-            routed.inc()
-        return [replace(job, route=own[i // req.n], offer=offer or "") for i, job in enumerate(jobs)]
+        jobs = [replace(job, route=own[i // req.n], offer=offer or "") for i, job in enumerate(jobs)]
+        if not offer:
+            return jobs, 0.0
+        routed.inc()
+        return jobs, routing.offer_wait(offer, workers, self.settings.affinity_wait)
 
     def submit(self, model: str, jobs: list[Job], grammar: Optional[grammars.Grammar], cap: int,
                offer_wait_s: float = 0.0) -> Pending:

@@ -61,7 +61,7 @@ class ContinuousEngine:
         self.numerics = ""  # the fingerprint, set by build()
         self.last_batch = 0  # sequences computed by the last step
         self.generated = 0  # tokens written, since start
-        self.step_s = 0.0  # a step's recent time, smoothed: the API offers a job this long (api/routing.py)
+        self.step_s = 0.0  # a step's recent time, smoothed: how long the API offers a job for (api/routing.py)
         # What a new request has cost its first step lately, in prompt tokens computed (prefix-cache
         # hits left out): free_slots' guess for jobs still in Redis, whose prompts it cannot see.
         self._start_cost = 0.0  # 0: nothing admitted yet
