@@ -149,6 +149,30 @@ def test_the_avx2_build_writes_the_native_builds_bits(tensors):
         assert torch.equal(native.kquant_linear(x, packed, w.code), avx2.kquant_linear(x, packed, w.code)), kind
 
 
+def test_the_amx_tiles_write_the_vnni_kernels_bits(tensors):
+    """A step of 33 rows or more takes AMX tiles where the CPU and Linux have them (kquants_amx.h):
+    the same integer sums and float operations, so the same bits as the VNNI kernel, at every size
+    and for every type (Q6_K keeps the VNNI kernel). Where there are no tiles, the switch stays off."""
+    native = kernels.build(os.path.join(os.path.expanduser(Settings().cache_dir), "kernels"))
+    if "amx_int8" not in kernels.cpu_flags().split():
+        assert native.kquant_tiles(True) is False  # nothing to turn on: every step on the VNNI kernel
+        return
+    assert native.kquant_tiles(), "this CPU lists AMX, and the kernels did not take the tiles"
+    g = torch.Generator().manual_seed(5)
+    try:
+        for kind in TYPES:
+            w = tensors[kind]
+            packed = w.panel_packed()
+            x = torch.randn(300, w.shape[1], generator=g).bfloat16()
+            for size in (33, 47, 64, 100, 257, 300):
+                assert native.kquant_tiles(True)
+                tiles = native.kquant_linear(x[:size], packed, w.code)
+                native.kquant_tiles(False)
+                assert torch.equal(tiles, native.kquant_linear(x[:size], packed, w.code)), (kind, size)
+    finally:
+        native.kquant_tiles(True)
+
+
 def test_a_stack_of_types_is_its_parts_side_by_side(tensors, kernel):
     """A fused projection whose parts the file stores in different types (Q4_K_M's Q5_0 queries beside
     Q8_0 values): each part on its own kernel, in Python and in the decoder's C++ Linear alike."""

@@ -95,9 +95,11 @@ struct Activations {
   void fill(const T* x, int64_t rows_, int64_t K_) {
     rows = rows_, K = K_, G = K_ / GROUP;
     q.resize(rows * K);
-    dx.resize(rows * G);
-    dsum.resize(rows * G);
-    sums.resize(rows * 2 * G);
+    // Rows up to a multiple of 16 are kept, zero: the AMX path (kquants_amx.h) reads 16 at a time.
+    const int64_t padded = (rows + 15) / 16 * 16;
+    dx.assign(padded * G, 0.f);
+    dsum.assign(padded * G, 0.f);
+    sums.assign(padded * 2 * G, 0);
     at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / K), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) row(x + r * K, r);
     });
@@ -401,6 +403,40 @@ static constexpr auto pair_tiles(std::index_sequence<R...>) {
       pair_rows<T, static_cast<int>(R) + 1>...};
 }
 
+}  // namespace kquants
+}  // namespace storyteller
+#include "kquants_amx.h"
+namespace storyteller {
+namespace kquants {
+
+#ifdef STORYTELLER_KQUANTS_AMX
+// A step of AMX_ROWS rows or more on the tiles (kquants_amx.h): each panel made ready once, as the
+// VNNI kernel does at these sizes, then met 16 rows at a time.
+template <int T, typename X>
+static void tile_linear(const Activations& a, const uint8_t* w, X* y, int64_t N) {
+  thread_local aligned_vector<int8_t> arranged;
+  arrange(a, arranged);
+  const int8_t* xt = arranged.data();
+  const int64_t panel_bytes = Format<T>::bytes(a.G), panels = N / LANES;
+  const int64_t grain = std::max<int64_t>(1, MIN_WORK / (LANES * a.K * a.rows));
+  in_pieces(0, panels, grain, [&](int64_t begin, int64_t end) {
+    configure();  // a thread's tiles may have served another kernel (oneDNN's) since
+    alignas(64) float out[TILE_ROWS * LANES];
+    thread_local aligned_vector<Group> ready;
+    ready.resize(a.G);
+    for (int64_t p = begin; p < end; ++p) {
+      unpack<T>(w + p * panel_bytes, a.G, ready.data());
+      for (int64_t r0 = 0; r0 < a.rows; r0 += TILE_ROWS) {
+        const int64_t n = std::min<int64_t>(TILE_ROWS, a.rows - r0);
+        tile_rows<T>(a, xt, r0, n, ready.data(), out);
+        for (int64_t r = 0; r < n; ++r) store16(out + r * LANES, y + (r0 + r) * N + p * LANES);
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
 // y [rows, N] = x [rows, K] times the packed weight, threads splitting the panels (each output made
 // by one thread). A step of a few rows meets a panel ROWS rows at a time, straight from its bytes;
 // a step of more meets two panels at a time, PAIR_ROWS rows a pass, straight from their bytes up to
@@ -410,6 +446,10 @@ static void linear(const X* x, int64_t rows, int64_t K, const uint8_t* w, X* y, 
   thread_local Activations kept;  // the caller's thread quantizes; its buffers outlive the call
   Activations& a = kept;          // (named, so the threads below read the caller's, not their own)
   a.fill(x, rows, K);
+#ifdef STORYTELLER_KQUANTS_AMX
+  if constexpr (!Format<T>::halves)
+    if (rows >= AMX_ROWS && tiles().enabled) return tile_linear<T>(a, w, y, N);
+#endif
   const int64_t panel_bytes = Format<T>::bytes(a.G), panels = N / LANES;
   static constexpr auto by_rows = row_tiles<T>(std::make_index_sequence<ROWS>());
   static constexpr auto by_pair = pair_tiles<T>(std::make_index_sequence<PAIR_ROWS>());
@@ -548,6 +588,19 @@ static torch::Tensor kquant_rows(const torch::Tensor& w, int64_t type, int64_t K
     case kquants::Q5_1: kquants::feature_rows<kquants::Q5_1>(weights, K, p, n, o); break;
   }
   return out;
+}
+
+// Whether a K-quant step of many rows takes the AMX tiles (kquants_amx.h), after turning them on
+// or off if `enable` is given (on only where this CPU and process have them). The bits are the
+// same either way: the switch is for tests and A/B benchmarks.
+static bool kquant_tiles(c10::optional<bool> enable) {
+#ifdef STORYTELLER_KQUANTS_AMX
+  auto& tiles = kquants::tiles();
+  if (enable) tiles.enabled = *enable && kquants::Tiles::available();
+  return tiles.enabled;
+#else
+  return false;
+#endif
 }
 
 }  // namespace storyteller
