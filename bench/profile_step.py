@@ -9,7 +9,9 @@ the operators that took the most time; writes JSON.
 Where the whole step is one C++ call (the decoder), the operator table says little; so each step
 is also split by timing its parts alone on the same shapes: the layers' products (a pass over
 every Linear of the model on `batch` rows), the head, the sampler (a row of the vocabulary per request), and the
-rest (attention, norms, rotary, the engine's Python) as what the step takes beyond them.
+rest (attention, norms, rotary, the engine's Python) as what the step takes beyond them. On a CPU
+with AMX tiles, the K-quant products of many rows take them (the same bits); each timed step and
+the products are then also timed with the tiles off, in turn, and the table says both.
 
     python -m bench.profile_step --model path/to/model.Q4_K_M.gguf --batches 1 64 --threads 2 --out docs/results/profile-big
 """
@@ -41,7 +43,7 @@ def filled_engine(loaded, settings: Settings, batch: int, context: int, steps: i
     fewer of a large model's requests (in float32 half as many as in bf16), and a step would then
     compute fewer rows than it is said to."""
     prompt = loaded.tokenizer.encode("Write a short story about a dragon, a gate and a skeleton.\n")
-    max_tokens = context + steps + PROFILED_STEPS + 2  # none finishes before the profile does
+    max_tokens = context + 2 * steps + PROFILED_STEPS + 2  # none finishes before the profile does (2: the A/B's)
     tokens = len(prompt) + 1 + max_tokens
     blocks = batch * -(-tokens // settings.block_size) + batch // 16 + 2  # and the 1% admission margin
     engine = continuous.build(loaded, replace(settings, kv_blocks=blocks), loaded.weights(), loaded.config)
@@ -60,17 +62,28 @@ def profile_batch(loaded, settings: Settings, batch: int, steps: int, context: i
     for call in parts.values():
         call()  # warm: the first call allocates
     # Each step, then each part once, in turn: a slow minute of a shared machine slows them alike.
-    times, part_times = [], {name: [] for name in parts}
-    for _ in range(steps):
+    # Where the K-quant products may take AMX tiles (the same bits), a step and the products are
+    # also timed with the tiles off, in the same turns: the A/B as a ratio from one run.
+    tiles = getattr(engine.runner.kernel, "kquant_tiles", None)
+    ab = tiles is not None and tiles()
+    times, part_times, without = [], {name: [] for name in parts}, {"step": [], "products": []}
+
+    def timed(call) -> float:
         start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
+        call()
+        return time.perf_counter() - start
+
+    for _ in range(steps):
+        times.append(timed(engine.step))
         if engine.last_batch != batch:
             raise RuntimeError(f"a timed step computed {engine.last_batch} rows, not {batch}")
         for name, call in parts.items():
-            start = time.perf_counter()
-            call()
-            part_times[name].append(time.perf_counter() - start)
+            part_times[name].append(timed(call))
+        if ab:
+            tiles(False)
+            without["step"].append(timed(engine.step))
+            without["products"].append(timed(parts["products"]))
+            tiles(True)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(PROFILED_STEPS):
             engine.step()
@@ -79,8 +92,9 @@ def profile_batch(loaded, settings: Settings, batch: int, steps: int, context: i
     step_ms = statistics.median(times) * 1000
     parts = {f"{name}_ms": statistics.median(t) * 1000 for name, t in part_times.items()}
     parts["rest_ms"] = step_ms - sum(parts.values())
+    tiles_off = {f"{name}_ms": statistics.median(t) * 1000 for name, t in without.items()} if ab else None
     return {"batch": batch, "step_ms": step_ms, "tokens_per_s": batch / step_ms * 1000, "numerics": engine.numerics,
-            "parts": parts,
+            "parts": parts, "amx_tiles": bool(ab), "without_tiles": tiles_off,
             "ops": [{"name": e.key, "share": e.self_cpu_time_total / total,
                      "ms_per_step": e.self_cpu_time_total / (1000 * PROFILED_STEPS),
                      "calls_per_step": e.count / PROFILED_STEPS}
@@ -135,6 +149,10 @@ def main(argv=None) -> None:
         print(f"\nbatch {batch}: {r['step_ms']:.1f} ms per step, {r['tokens_per_s']:.0f} tokens/s "
               f"({torch.get_num_threads()} threads, {r['numerics']})")
         print("  " + ", ".join(f"{name.removesuffix('_ms')} {ms:.1f} ms" for name, ms in r["parts"].items()))
+        if r["without_tiles"]:
+            off = r["without_tiles"]
+            print(f"  AMX tiles off: step {off['step_ms']:.1f} ms ({off['step_ms'] / r['step_ms']:.2f}x the time with them), "
+                  f"products {off['products_ms']:.1f} ms ({off['products_ms'] / r['parts']['products_ms']:.2f}x)")
         print(f"  {'operator':<36} {'share':>6} {'ms/step':>8} {'calls':>6}")
         for op in r["ops"]:
             print(f"  {op['name']:<36} {op['share']:>6.1%} {op['ms_per_step']:>8.2f} {op['calls_per_step']:>6.0f}")
