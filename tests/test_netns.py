@@ -193,8 +193,11 @@ def test_a_worker_cut_off_past_its_heartbeat_loses_its_jobs_to_another_and_publi
                                  "--save", "", "--appendonly", "no", "--dir", str(tmp_path),
                                  "--loglevel", "verbose"], "redis")]
     wait_for_redis(redis_url)  # from the root namespace, across the switch
-    procs.append(net.python("api", ["api", "--host", api_host, "--port", str(API_PORT), "--redis-url", redis_url],
-                            "api"))
+    # No conversation routing (--affinity-wait 0): the held requests must all go to worker A while B
+    # stands still, and routing would offer B the chat requests whose prompts it cached answering
+    # them first, to be taken by A only after its earlier ones (then A never holds all at once).
+    procs.append(net.python("api", ["api", "--host", api_host, "--port", str(API_PORT), "--redis-url", redis_url,
+                                    "--affinity-wait", "0"], "api"))
     worker = ["worker", "--model", tiny_model_dirs["llama"], "--dtype", "float32", "--wait", "5"]
     a = net.python("wa", worker, "worker-a", REDIS_URL=redis_url)
     b = net.python("wb", worker, "worker-b", REDIS_URL=redis_url)
