@@ -96,10 +96,15 @@ struct Activations {
     rows = rows_, K = K_, G = K_ / GROUP;
     q.resize(rows * K);
     // Rows up to a multiple of 16 are kept, zero: the AMX path (kquants_amx.h) reads 16 at a time.
+    // (Only those are cleared: the step's own rows are all written below, and a step of one row
+    // should not clear 16 rows' worth a product.)
     const int64_t padded = (rows + 15) / 16 * 16;
-    dx.assign(padded * G, 0.f);
-    dsum.assign(padded * G, 0.f);
-    sums.assign(padded * 2 * G, 0);
+    dx.resize(padded * G);
+    dsum.resize(padded * G);
+    sums.resize(padded * 2 * G);
+    std::fill(dx.begin() + rows * G, dx.end(), 0.f);
+    std::fill(dsum.begin() + rows * G, dsum.end(), 0.f);
+    std::fill(sums.begin() + rows * 2 * G, sums.end(), 0);
     at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / K), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) row(x + r * K, r);
     });
