@@ -11,17 +11,20 @@ from __future__ import annotations
 import os
 import shutil
 import struct
+import subprocess
+import sys
 
 import gguf
 import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoTokenizer, PreTrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from tests.gguf_files import TYPES
 from tests.tiny_models import FAMILIES
+from worker import gguf_derived
 from worker.continuous.gguf_config import UnsupportedGGUF, _check_llama3, _llama3
 from worker.continuous.gguf_reader import read_gguf
 from worker.continuous.kquants import KQuant
@@ -167,6 +170,44 @@ def test_config_is_the_directorys_and_transformers_where_it_maps_the_key(family_
     if kind == "gemma3":  # llama.cpp's pattern, every 6th layer global, which is Gemma 3's own
         assert ours.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
         assert ours.rope_parameters["sliding_attention"]["rope_theta"] == 10000.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_the_config_made_in_a_child_holds_every_value_of_the_family_class(family_gguf, kind, tmp_path):
+    """The worker reads a GGUF's config as the child made it (worker/gguf_derived.py: transformers'
+    base PreTrainedConfig given the family class's to_dict), not by importing the family class: every value
+    is the one read_gguf's family config holds, and a fresh process that loads the file for the
+    continuous engine, builds the engine and llguidance's tokenizer has imported no family config
+    class, nor what they import (torch.distributed, dynamo, sympy: ~85 MiB, the reason for the
+    child), nor llguidance's torch.compile function (as much again: the C++ kernels mask instead)."""
+    path = family_gguf(kind, "Q4_K_M")
+    family, _ = read_gguf(path)
+    derived = gguf_derived.read(path, str(tmp_path))
+    assert type(derived.config).__mro__[1] is PreTrainedConfig and not derived.refusal
+    ours, theirs = derived.config.to_dict(), family.to_dict()
+    del ours["transformers_version"], theirs["transformers_version"]
+    assert ours == theirs and len(ours) > 20
+    for key in _NEEDED:  # what the model code reads, as attributes: the class's computed ones too
+        assert getattr(derived.config, key, None) == getattr(family, key, None), key
+    reference = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    text = "Once upon a time, a fox <|im_end|> met 42 owls."
+    assert derived.tokenizer(text).input_ids == reference(text).input_ids
+
+    # A worker's start, in a fresh process: the load, the engine, llguidance's tokenizer (not for
+    # the tiny gemma3: its tokenizer adds a <mask> token past the model's 49,152 rows, which
+    # llguidance refuses, a quirk of the SmolLM2 vocabulary these files borrow).
+    probe = ("import sys; from worker import __main__ as w, model_loader; from shared.settings import Settings; "
+             "from worker.constraint import Grammars; "
+             f"m = model_loader.load({path!r}, transformers_model=False, cache_dir={str(tmp_path)!r}); "
+             f"engine, m = w.make_engine(Settings.parse(['--model', {path!r}], w.FLAGS, ''), m); "
+             "len(m.tokenizer) <= m.vocab_size and Grammars(m.tokenizer, m.vocab_size, lambda digest: None).warm(); "
+             "print(type(m.config).__mro__[1].__name__, sorted(k for k in sys.modules if k.startswith('transformers.models.')"
+             " and k.rsplit('.', 1)[-1].startswith('configuration_') and 'auto' not in k and 'encoder_decoder' not in k),"
+             " [k for k in ('torch.distributed.tensor', 'torch._dynamo', 'sympy') if k in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout.split("\n")[-2]
+    assert out == "PreTrainedConfig [] []", out
 
 
 @pytest.mark.parametrize("factor, context", [(8.0, 64), (32.0, 8192), (8.0, 8192)])

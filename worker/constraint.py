@@ -33,7 +33,6 @@ from typing import Callable, Optional
 import llguidance
 import llguidance.hf
 import llguidance.numpy
-import llguidance.torch
 import numpy as np
 import torch
 
@@ -174,8 +173,10 @@ def _fill(rows, bitmask: np.ndarray) -> torch.Tensor:
 def apply_mask(logits: torch.Tensor, bitmask: torch.Tensor, kernel=None) -> None:
     """-inf on the tokens the mask disallows, in place. On the CPU with the C++ kernels, their
     mask_rows (~0.2 ms at 64 rows); else llguidance's torch function, which torch.compile builds at
-    its first call (seconds, once per process)."""
+    its first call (seconds, once per process). Imported only here: importing it imports dynamo and
+    torch.distributed (torch.compile), ~110 MiB a CPU worker would hold and never run."""
     if kernel is not None and hasattr(kernel, "mask_rows") and logits.device.type == "cpu":
         kernel.mask_rows(logits, bitmask)
     else:
+        import llguidance.torch
         llguidance.torch.apply_token_bitmask_inplace(logits, bitmask)

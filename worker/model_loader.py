@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import logging
 import os
-import shutil
 import tempfile
 from dataclasses import dataclass
 from typing import Optional
@@ -23,13 +21,12 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from worker import gguf_derived
 from worker.continuous import gguf_reader
 
 PACKAGED = "smollm2"
 PACKAGED_NAME = "SmolLM2-135M-Instruct"
 PACKAGED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -113,18 +110,24 @@ def load(source: str, name: str = "", dtype: str = "auto", device: str = "auto",
 def _read(source, directory, extra, dev, dt, transformers_model, cache_dir, steps):
     """(transformers' model or None, tokenizer, config, tensors or None), each step on `steps`."""
     where = os.path.join(directory, extra["gguf_file"]) if extra else directory
-    model = tensors = None
-    if extra and not transformers_model:
-        # The weights first: a file the reader refuses (an architecture, a tensor layout, a
-        # truncation) is refused before ~4 s of tokenizer building.
-        steps.set_postfix_str("weights (reading GGUF blocks)")
-        try:
-            config, tensors = gguf_reader.read_gguf(where)
-        except gguf_reader.UnsupportedGGUF as exc:  # it names the file
-            raise SystemExit(str(exc)) from None
-    steps.update()
-    steps.set_postfix_str("tokenizer")
-    tokenizer = _tokenizer(directory, extra, cache_dir)
+    model = tensors = config = None
+    steps.set_postfix_str("tokenizer and config" if extra else "tokenizer")
+    if not extra:
+        tokenizer = _tokenizer(directory, extra, cache_dir)
+        steps.update()
+    else:
+        derived = _derived(where, cache_dir)
+        steps.update()
+        if not transformers_model:
+            # The file's faults before the tokenizer's: a file the reader refuses is refused as such.
+            if derived.refusal:
+                raise SystemExit(derived.refusal)  # it names the file
+            steps.set_postfix_str("weights (reading GGUF blocks)")
+            try:
+                config, tensors = gguf_reader.read_gguf(where, derived.config)
+            except gguf_reader.UnsupportedGGUF as exc:  # it names the file
+                raise SystemExit(str(exc)) from None
+        tokenizer = _tokenizer_of(derived, where)
     steps.update()
     if tensors is None:
         steps.set_postfix_str(f"weights ({'dequantizing GGUF' if extra else 'safetensors'})")
@@ -173,36 +176,28 @@ def _one_line(exc: BaseException) -> str:
 
 def _tokenizer(directory: str, extra: dict, cache_dir: str):
     """The model's tokenizer, or SystemExit naming the file when it cannot be built."""
+    if extra:
+        where = os.path.join(directory, extra["gguf_file"])
+        return _tokenizer_of(_derived(where, cache_dir), where)
     try:
-        return _build_tokenizer(directory, extra, cache_dir)
+        return AutoTokenizer.from_pretrained(directory)
     except Exception as exc:  # noqa: BLE001 - whatever the tokenizer's builders raise, the worker stops
-        where = os.path.join(directory, extra["gguf_file"]) if extra else directory
-        raise SystemExit(f"{where}: cannot build its tokenizer: {_one_line(exc)}") from None
+        raise SystemExit(f"{directory}: cannot build its tokenizer: {_one_line(exc)}") from None
 
 
-def _build_tokenizer(directory: str, extra: dict, cache_dir: str):
-    """Building a tokenizer from a GGUF's vocabulary takes ~4 s: keep the result on disk."""
-    if not extra or not cache_dir:
-        return AutoTokenizer.from_pretrained(directory, **extra)
-    path = os.path.realpath(os.path.join(directory, extra["gguf_file"]))  # a link shares its file's
-    stat = os.stat(path)
-    key = hashlib.sha256(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    cached = os.path.join(os.path.expanduser(cache_dir), f"tokenizer-{key}")
-    if os.path.isdir(cached):
-        try:
-            return AutoTokenizer.from_pretrained(cached)
-        except (OSError, ValueError) as exc:  # a damaged cache is rebuilt, not fatal
-            log.warning("tokenizer cache %s unreadable (%s): rebuilding it", cached, exc)
-    tokenizer = AutoTokenizer.from_pretrained(directory, **extra)
-    partial = f"{cached}.{os.getpid()}"  # written aside, then renamed: a reader never sees half
+def _derived(where: str, cache_dir: str) -> gguf_derived.Derived:
+    """A GGUF file's tokenizer and config, made in a child (gguf_derived.py: made here, they would
+    cost this process ~85 MiB for good)."""
     try:
-        tokenizer.save_pretrained(partial)
-        shutil.rmtree(cached, ignore_errors=True)  # a damaged copy
-        os.replace(partial, cached)
-    except OSError as exc:  # a read-only home, or another worker was first: only costs time
-        log.warning("could not cache the tokenizer in %s: %s", cached, exc)
-        shutil.rmtree(partial, ignore_errors=True)
-    return tokenizer
+        return gguf_derived.read(where, cache_dir)
+    except gguf_derived.CannotDerive as exc:
+        raise SystemExit(f"{where}: cannot derive its tokenizer and config: {exc}") from None
+
+
+def _tokenizer_of(derived: gguf_derived.Derived, where: str):
+    if derived.tokenizer is None:
+        raise SystemExit(f"{where}: cannot build its tokenizer: {derived.tokenizer_error}")
+    return derived.tokenizer
 
 
 def _eos_ids(config, tokenizer) -> frozenset[int]:

@@ -72,20 +72,15 @@ class TensorEntry(NamedTuple):
     nbytes: int
 
 
-def read_gguf(path: str):
-    """(config, tensors): transformers' config, and the weights by Hugging Face name as float32
-    tensors, Q41, Q80 or KQuant. Raises UnsupportedGGUF, naming the file and what is wrong, for a file this
-    cannot read faithfully."""
+def read_gguf(path: str, config=None):
+    """(config, tensors): transformers' config (`config` when given: the one worker/gguf_derived.py
+    kept for this file), and the weights by Hugging Face name as float32 tensors, Q41, Q80 or
+    KQuant. Raises UnsupportedGGUF, naming the file and what is wrong, for a file this cannot read
+    faithfully."""
     blob, metadata, entries = _read_header(path)
     architecture = metadata["general.architecture"]
-    config_tensors = {e.name: _decode(blob, e, path).numpy() for e in entries if e.name in CONFIG_TENSORS}
-    try:
-        config = build_config(path, metadata, tuple(e.name for e in entries), config_tensors)
-    except UnsupportedGGUF:
-        raise
-    except (KeyError, TypeError, ValueError) as exc:  # a key missing, or of the wrong kind
-        raise UnsupportedGGUF(f"{path}: its metadata does not describe a {architecture} model "
-                              f"({type(exc).__name__}: {exc})") from exc
+    if config is None:
+        config = _config(path, blob, metadata, entries)
 
     permuted = architecture == "llama"  # the only family LlamaModel.undo_permute applies to
     q_rows = _unpermute_rope_rows(config.num_attention_heads, config.head_dim) if permuted else None
@@ -114,6 +109,23 @@ def read_gguf(path: str):
                     dense_bytes / 2**20, file_bytes / 2**20)
     return config, tensors
 
+
+
+def read_config(path: str):
+    """The file's transformers config alone (gguf_config.py); UnsupportedGGUF as read_gguf."""
+    return _config(path, *_read_header(path))
+
+
+def _config(path: str, blob, metadata: dict, entries):
+    architecture = metadata["general.architecture"]
+    config_tensors = {e.name: _decode(blob, e, path).numpy() for e in entries if e.name in CONFIG_TENSORS}
+    try:
+        return build_config(path, metadata, tuple(e.name for e in entries), config_tensors)
+    except UnsupportedGGUF:
+        raise
+    except (KeyError, TypeError, ValueError) as exc:  # a key missing, or of the wrong kind
+        raise UnsupportedGGUF(f"{path}: its metadata does not describe a {architecture} model "
+                              f"({type(exc).__name__}: {exc})") from exc
 
 
 def _read_header(path: str):
