@@ -1,7 +1,6 @@
 """python -m worker: load the model once, then serve its queue until SIGTERM."""
 from __future__ import annotations
 
-import ctypes
 import gc
 import logging
 import os
@@ -16,7 +15,7 @@ import torch
 from shared.protocol import FEATURE_GRAMMAR, WorkerInfo
 from shared.redis_client import connect, explain, masked
 from shared.settings import Settings
-from worker import clock, metrics, model_loader
+from worker import clock, memory, metrics, model_loader
 from worker.continuous import engine as continuous
 from worker.continuous.kernels import ISAS
 from worker.continuous.linear import check_small_kernel_name
@@ -69,16 +68,6 @@ def check(settings: Settings) -> None:
                          f"model it loads; for more names or models, start a worker for each")
 
 
-def release_freed_memory() -> None:
-    """Collect, then hand the heap's free pages back to the system (glibc keeps what a load freed:
-    ~150 MB after packing a 1.7B model's K-quant panels). A no-op where there is no glibc."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 def make_engine(settings: Settings, loaded: model_loader.LoadedModel):
     """The engine asked for; the static one when the continuous one has no code for the model."""
     if settings.engine == "continuous":
@@ -90,7 +79,7 @@ def make_engine(settings: Settings, loaded: model_loader.LoadedModel):
             # The engine holds what it needs, repacked: transformers' copy and the tensors can go,
             # and with them the file's mapping and the unpacking's temporaries.
             loaded.model = loaded.tensors = None
-            release_freed_memory()
+            memory.release_after_load()
             return engine, loaded
         if loaded.model is None:  # read as tensors only: the static engine needs transformers' model
             loaded = model_loader.load(settings.model, settings.model_name, settings.dtype,

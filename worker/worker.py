@@ -16,7 +16,7 @@ import redis
 
 from shared.protocol import WorkerInfo
 from shared.settings import Settings
-from worker import clock
+from worker import clock, memory
 from worker.engine_protocol import Engine
 from worker.faults import Faults
 from worker.job_queue import LOST, JobQueue
@@ -39,15 +39,6 @@ ADMIT_ROUNDS = 4
 # each (the API, Redis and the worker share the cores; docs/serving.md). A newcomer or a
 # cancellation waits this long at most.
 BUSY_POLL_S = 0.02
-
-
-def resident_mb() -> int:
-    """This process's resident memory, for the heartbeat (Linux; 0 elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") >> 20
-    except (OSError, ValueError):
-        return 0
 
 
 class Worker:
@@ -305,7 +296,7 @@ class Worker:
         loop's, and say again that this worker takes jobs."""
         with self._beat_lock:
             # Not stored back: stop() may be setting `draining` on self.info meanwhile.
-            info = replace(self.info, stats={**self.engine.stats(), "rss_mb": resident_mb()})
+            info = replace(self.info, stats={**self.engine.stats(), "rss_mb": memory.resident_mb()})
             if self.queue.heartbeat(info, self.settings.heartbeat_ttl_s):
                 log.warning("this worker was declared dead while cut off from Redis: what it holds "
                             "may be written by other workers now; checking its leases")
@@ -315,6 +306,7 @@ class Worker:
         while not self._left.wait(self.settings.heartbeat_s):
             self._stranded_due.set()
             try:
+                memory.trim()  # what the steps freed, before the beat reports the memory
                 self._announce()
                 self.queue.requeue_dead_workers()
             except Exception:  # Redis away for a moment: keep trying, the loop reports its own errors
