@@ -133,8 +133,8 @@ class Settings:
     torch_threads: int = _setting(0, "threads for the model's arithmetic (0: torch's choice, one "
                                      "per core)")
     cache_dir: str = _setting("~/.cache/storyteller", "where a worker keeps what makes its next "
-                                                       "start faster: the tokenizer, the compiled "
-                                                       "kernels (empty: nowhere)")
+                                                       "start faster: a GGUF's tokenizer and config, the "
+                                                       "compiled kernels (empty: nowhere)")
     max_attempts: int = _setting(2, "times a job is retried when its worker dies holding it (the "
                                     "last retry runs alone); after that its client gets a "
                                     "'worker_crashed' error")

@@ -275,7 +275,7 @@ def stack(images):
 
     # One worker first, then the second: two containers made at once on a new named volume both copy
     # the image's cache directory into it, and Docker's copy can fail the second ("failed to mkdir
-    # .../tokenizer-...: file exists", seen once in a full run, 2026-12-02). docs/operations.md says the same
+    # .../tokenizer-...: file exists" (now gguf-...), seen once in a full run, 2026-12-02). docs/operations.md says the same
     # for a first `docker compose up --scale worker=N`.
     compose("up", "--detach", "--no-build", "redis", "api", "worker", "rq-worker", "prometheus")
     compose("up", "--detach", "--no-build", "--no-recreate", "--scale", "worker=2", "worker")
