@@ -3,11 +3,12 @@ and kept on disk beside the other per-machine files (`--cache-dir`).
 
 Why a child: building either imports transformers' family config classes (LlamaConfig, Qwen2Config...),
 and those import transformers' activations, hub kernels, torch.distributed.tensor, dynamo and sympy,
-~85 MiB that a worker would hold for ever and never runs (measured: docs/serving.md, "The worker's
-memory"). The child pays it and exits; the worker reads the files back: the tokenizer with
-AutoTokenizer from plain tokenizer files, the config as a subclass of transformers' base PreTrainedConfig
-holding the family class's values, every one (to_dict's). The first start on a file pays the child's ~3-5 s
-beside the tokenizer's ~4 s of building; later starts read the files.
+~90 MiB that a worker would hold for ever and never run (docs/serving.md, "The worker's memory").
+The child pays it and exits; the worker reads the files back: the tokenizer with AutoTokenizer from
+plain tokenizer files, the config as a subclass of transformers' base PreTrainedConfig holding the
+family class's values, every one (to_dict's). The first start on a file waits for the child (a few
+seconds, most of it the tokenizer's building, which the worker did itself before); later starts
+read the files (0.5 s for the packaged SmolLM2).
 
 A file the engine's reader refuses (gguf_config.UnsupportedGGUF) still gets its tokenizer (the
 static engine may run it): the refusal is kept as text beside it and handed back, not raised; so
