@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -30,6 +31,7 @@ CONFIG_FILE = "gguf-config.json"  # not config.json: AutoTokenizer would read th
 REFUSAL_FILE = "unsupported.txt"
 TOKENIZER_ERROR_FILE = "tokenizer-error.txt"
 _HERE = os.path.dirname(os.path.abspath(__file__))
+log = logging.getLogger(__name__)
 # What the derived files depend on besides the GGUF file itself: a change to either makes new ones.
 _SOURCES = (os.path.join(_HERE, "continuous", "gguf_config.py"), os.path.join(_HERE, "gguf_derived.py"))
 
@@ -51,14 +53,14 @@ def read(path: str, cache_dir: str) -> Derived:
     cache_dir, or every start into a temporary directory where cache_dir is unset or read-only."""
     if cache_dir:
         cached = os.path.join(os.path.expanduser(cache_dir), f"gguf-{_key(path)}")
-        for _ in range(2):
-            if not os.path.isdir(cached):
-                _derive_into(path, cached)
-            if os.path.isdir(cached):
-                try:
-                    return _read(cached)
-                except (OSError, ValueError):  # a damaged copy: made again, once
-                    shutil.rmtree(cached, ignore_errors=True)
+        if not os.path.isdir(cached):
+            _derive_into(path, cached)
+        if os.path.isdir(cached):
+            try:
+                return _read(cached)
+            except (OSError, ValueError) as exc:  # damaged: made aside this time, kept again next start
+                log.warning("%s unreadable (%s): removed", cached, exc)
+                shutil.rmtree(cached, ignore_errors=True)
     with tempfile.TemporaryDirectory(prefix="gguf-derived-") as tmp:
         _run_child(path, tmp)
         return _read(tmp)
@@ -70,8 +72,10 @@ def _derive_into(path: str, cached: str) -> None:
         os.makedirs(partial, exist_ok=True)
         _run_child(path, partial)
         os.replace(partial, cached)
-    except OSError:  # a read-only home, or another worker was first
-        pass
+    except OSError as exc:  # another worker was first, or the cache cannot be written
+        if not os.path.isdir(cached):
+            log.warning("cannot keep %s's tokenizer and config in %s (%s): they are made again at every start",
+                        os.path.basename(path), os.path.dirname(cached), exc)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
 

@@ -110,7 +110,6 @@ def read_gguf(path: str, config=None):
     return config, tensors
 
 
-
 def read_config(path: str):
     """The file's transformers config alone (gguf_config.py); UnsupportedGGUF as read_gguf."""
     return _config(path, *_read_header(path))
