@@ -139,6 +139,7 @@ def _derive(path: str, out: str) -> None:
 
     from worker.continuous.gguf_config import UnsupportedGGUF
     from worker.continuous.gguf_reader import read_config
+    from worker.model_loader import one_line
     try:
         read_config(path).to_json_file(os.path.join(out, CONFIG_FILE))
     except UnsupportedGGUF as exc:
@@ -156,7 +157,7 @@ def _derive(path: str, out: str) -> None:
         with open(config_path, "w") as f:
             json.dump({**tokenizer_config, "tokenizer_class": "TokenizersBackend"}, f, indent=2)
     except Exception as exc:  # noqa: BLE001 - whatever the tokenizer's builders raise, in one line
-        _write(out, TOKENIZER_ERROR_FILE, f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
+        _write(out, TOKENIZER_ERROR_FILE, one_line(exc))
 
 
 def _write(directory: str, name: str, text: str) -> None:

@@ -134,7 +134,7 @@ def _read(source, directory, extra, dev, dt, transformers_model, cache_dir, step
         try:
             model = AutoModelForCausalLM.from_pretrained(directory, dtype=dt, **extra)
         except (OSError, ValueError, KeyError, NotImplementedError) as exc:
-            raise SystemExit(f"--model {source}: transformers cannot load {where}: {_one_line(exc)}") from None
+            raise SystemExit(f"--model {source}: transformers cannot load {where}: {one_line(exc)}") from None
         config = model.config
         steps.set_postfix_str(f"moving to {dev} as {str(dt).removeprefix('torch.')}")
         model.to(dev).eval()
@@ -169,7 +169,7 @@ def resolve(source: str) -> tuple[str, dict, str]:
     raise SystemExit(f"--model {source}: a directory with neither a config.json nor a .gguf file")
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text[:300]}"
 
@@ -182,12 +182,11 @@ def _tokenizer(directory: str, extra: dict, cache_dir: str):
     try:
         return AutoTokenizer.from_pretrained(directory)
     except Exception as exc:  # noqa: BLE001 - whatever the tokenizer's builders raise, the worker stops
-        raise SystemExit(f"{directory}: cannot build its tokenizer: {_one_line(exc)}") from None
+        raise SystemExit(f"{directory}: cannot build its tokenizer: {one_line(exc)}") from None
 
 
 def _derived(where: str, cache_dir: str) -> gguf_derived.Derived:
-    """A GGUF file's tokenizer and config, made in a child (gguf_derived.py: made here, they would
-    cost this process ~85 MiB for good)."""
+    """A GGUF file's tokenizer and config, made in a child (gguf_derived.py says why)."""
     try:
         return gguf_derived.read(where, cache_dir)
     except gguf_derived.CannotDerive as exc:
