@@ -59,7 +59,7 @@ def test_an_offered_job_is_its_workers_alone_and_the_others_take_what_is_behind_
     assert holder.offers["own"] == 1 and other.offers["taken over"] == 0
 
 
-def test_a_lapsed_offer_or_a_dead_holder_holds_nothing_back_and_the_job_keeps_its_place(any_redis):
+def test_a_lapsed_offer_or_a_dead_holder_holds_nothing_back(any_redis):
     other = _worker(any_redis, "other")
     _worker(any_redis, "holder")
     _worker(any_redis, "gone", beating=False)  # never beat, as a dead worker's key has expired
@@ -67,8 +67,27 @@ def test_a_lapsed_offer_or_a_dead_holder_holds_nothing_back_and_the_job_keeps_it
     _push(any_redis, 0, offer="holder", until_ms=now - 1)  # its time is over
     _push(any_redis, 1, offer="gone", until_ms=now + HOLD_MS)  # its worker is dead
     _push(any_redis, 2)
-    assert job_ids_of(other.take(limit=4, wait_s=0, block_s=0)) == ["job-0", "job-1", "job-2"]
+    # The lapsed offer comes after the jobs offered to no live worker: the dead one's, the shared.
+    assert job_ids_of(other.take(limit=4, wait_s=0, block_s=0)) == ["job-1", "job-2", "job-0"]
     assert other.offers["taken over"] == 2
+
+
+def test_a_worker_without_room_to_spare_leaves_a_lapsed_offer_to_its_holder(any_redis):
+    """A lapsed offer is taken by another worker only with room left after that queue's jobs
+    offered to no one else: in a saturated pool the other worker does not read the conversation's
+    history again while its own turns wait (docs/scaling.md), and the holder still takes it; a
+    less urgent queue waits behind it."""
+    holder, other = _worker(any_redis, "holder"), _worker(any_redis, "other")
+    now = _now_ms(any_redis)
+    _push(any_redis, 0, offer="holder", until_ms=now - 1)  # lapsed, its holder live
+    _push(any_redis, 1, offer="other", until_ms=now + HOLD_MS)  # the other's own
+    _push(any_redis, 2)  # a new conversation's
+    _push(any_redis, 3, priority=5)  # less urgent
+    assert job_ids_of(other.take(limit=2, wait_s=0, block_s=0)) == ["job-1", "job-2"]
+    assert any_redis.llen(keys.wake(MODEL)) == 1  # what it left wakes an idle worker
+    assert job_ids_of(other.take(limit=1, wait_s=0, block_s=0)) == ["job-0"]  # before the less urgent
+    _push(any_redis, 4, offer="holder", until_ms=now - 1)
+    assert job_ids_of(holder.take(limit=4, wait_s=0, block_s=0)) == ["job-4", "job-3"]
 
 
 def test_priority_order_holds_across_offered_and_shared_jobs(any_redis):

@@ -91,7 +91,10 @@ LOST = "lost"
 # through its block while work waits (one token, if none is there already).
 # A job offered to another worker (its "offer", shared/routing.py) is passed over the same way until
 # its offer_until (ms of Redis' clock), while that worker's heartbeat (ARGV[15] the prefix) is there:
-# then anyone takes it, in its place in line.
+# then anyone takes it, but after this queue's jobs offered to no one else (this worker's own, new
+# conversations', a dead worker's): a worker with room to spare helps the one the job was offered to,
+# and one without it does not read that conversation's history again while its own jobs wait, which
+# in a saturated pool made every lapse cost a prefill and lapse more (docs/scaling.md).
 # KEYS: the model's queues, most urgent first, then the processing list, then the wake list.
 # Returns {1 if the one job taken must run alone, the jobs, their records, {id, fingerprint, ...} of
 # those passed over for their fingerprint, ms until the first offer passed over lapses (0: none)}.
@@ -130,6 +133,7 @@ local function take(queue, raw, at)
 end
 for i = 1, nq do
   local at = 0  -- jobs passed over at the head of this queue
+  local lapsed = {}  -- jobs whose offer to another live worker has lapsed: after this queue's others
   while #taken < limit and npassed < most_passed do
     local raw = redis.call('LINDEX', KEYS[i], at)
     if not raw then break end
@@ -139,9 +143,13 @@ for i = 1, nq do
     local offer, until_ms = string.match(raw, '"offer":"([^"]+)","offer_until":(%d+)')
     local wait = 0
     if offer and offer ~= me_id then wait = tonumber(until_ms) - now_ms end
-    if wait > 0 and beats(offer) then  -- offered to a live worker: its own until the offer lapses
+    if offer and offer ~= me_id and beats(offer) then  -- offered to a live worker: its own until the offer lapses
       npassed, at = npassed + 1, at + 1
-      if lapse == 0 or wait < lapse then lapse = wait end
+      if wait > 0 then
+        if lapse == 0 or wait < lapse then lapse = wait end
+      else
+        lapsed[#lapsed + 1] = raw
+      end
     elseif by and by ~= mine and alive(by) then
       passed[#passed + 1] = id
       passed[#passed + 1] = by
@@ -157,7 +165,13 @@ for i = 1, nq do
       take(KEYS[i], raw, at)
     end
   end
-  skipped[i] = at
+  local left = #lapsed  -- in their place in line, behind this queue's own and shared jobs
+  for _, raw in ipairs(lapsed) do
+    if #taken >= limit then break end
+    take(KEYS[i], raw, 1)
+    at, left = at - 1, left - 1
+  end
+  skipped[i] = at - left  -- what is left of them wakes a worker, as a job not passed over does
 end
 if #taken > 0 then
   local drained = ARGV[5] .. redis.call('TIME')[1]
