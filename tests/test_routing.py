@@ -72,22 +72,31 @@ def test_a_lapsed_offer_or_a_dead_holder_holds_nothing_back(any_redis):
     assert other.offers["taken over"] == 2
 
 
-def test_a_worker_without_room_to_spare_leaves_a_lapsed_offer_to_its_holder(any_redis):
-    """A lapsed offer is taken by another worker only with room left after that queue's jobs
-    offered to no one else: in a saturated pool the other worker does not read the conversation's
-    history again while its own turns wait (docs/scaling.md), and the holder still takes it; a
-    less urgent queue waits behind it."""
+def test_a_lapsed_offer_goes_to_a_worker_that_holds_nothing_or_past_a_late_holder(any_redis):
+    """A lapsed offer is taken, after that queue's jobs offered to no one else, by a worker that
+    holds nothing; a busy one leaves it to its holder while the holder's heartbeat comes on time (in
+    a saturated pool it would read the conversation's history again while its own turns wait:
+    docs/scaling.md) and takes it once a beat is missed (a stopped holder). A less urgent queue
+    waits behind it. `alone_ok` is the worker's "holds nothing"."""
     holder, other = _worker(any_redis, "holder"), _worker(any_redis, "other")
     now = _now_ms(any_redis)
     _push(any_redis, 0, offer="holder", until_ms=now - 1)  # lapsed, its holder live
     _push(any_redis, 1, offer="other", until_ms=now + HOLD_MS)  # the other's own
     _push(any_redis, 2)  # a new conversation's
     _push(any_redis, 3, priority=5)  # less urgent
-    assert job_ids_of(other.take(limit=2, wait_s=0, block_s=0)) == ["job-1", "job-2"]
-    assert any_redis.llen(keys.wake(MODEL)) == 1  # what it left wakes an idle worker
-    assert job_ids_of(other.take(limit=1, wait_s=0, block_s=0)) == ["job-0"]  # before the less urgent
-    _push(any_redis, 4, offer="holder", until_ms=now - 1)
-    assert job_ids_of(holder.take(limit=4, wait_s=0, block_s=0)) == ["job-4", "job-3"]
+    assert job_ids_of(other.take(limit=4, wait_s=0, block_s=0, alone_ok=False)) == ["job-1", "job-2", "job-3"]
+    assert other.offer_lapses_s is None
+    _push(any_redis, 4, priority=5)
+    assert job_ids_of(other.take(limit=1, wait_s=0, block_s=0, alone_ok=True)) == ["job-0"]  # before job-4
+
+    _push(any_redis, 5, offer="holder", until_ms=now - 1)
+    # Passed over as an offer is, the takes going on behind it.
+    assert job_ids_of(other.take(limit=1, wait_s=0, block_s=0, alone_ok=False)) == ["job-4"]
+    assert other.take(limit=1, wait_s=0, block_s=0, alone_ok=False) == []
+    any_redis.pexpire(keys.heartbeat(MODEL, "holder"), int(other.beat_late_s * 1000) - 200)  # a beat missed
+    assert job_ids_of(other.take(limit=1, wait_s=0, block_s=0, alone_ok=False)) == ["job-5"]
+    assert other.offers["taken over"] == 2
+    assert holder.take(limit=4, wait_s=0, block_s=0) == []
 
 
 def test_priority_order_holds_across_offered_and_shared_jobs(any_redis):

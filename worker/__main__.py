@@ -21,7 +21,7 @@ from worker.continuous.kernels import ISAS
 from worker.continuous.linear import check_small_kernel_name
 from worker.continuous.scheduler import POLICIES
 from worker.faults import Faults
-from worker.job_queue import JobQueue
+from worker.job_queue import JobQueue, late_beat_s
 from worker.static_engine import StaticEngine
 from worker.worker import Worker
 
@@ -115,7 +115,8 @@ def main(argv=None) -> None:
     gc.freeze()
     files = model_loader.tokenizer_files(loaded.tokenizer)
     worker_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    queue = JobQueue(client, worker_id, loaded.name, settings.answer_ttl_s, settings.max_attempts, engine.numerics)
+    queue = JobQueue(client, worker_id, loaded.name, settings.answer_ttl_s, settings.max_attempts, engine.numerics,
+                     late_beat_s(settings.heartbeat_s, settings.heartbeat_ttl_s))
     queue.store_tokenizer(files)
     info = WorkerInfo(
         id=worker_id, model=loaded.name, context_window=loaded.context_window, engine=engine.name,

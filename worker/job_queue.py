@@ -91,10 +91,11 @@ LOST = "lost"
 # through its block while work waits (one token, if none is there already).
 # A job offered to another worker (its "offer", shared/routing.py) is passed over the same way until
 # its offer_until (ms of Redis' clock), while that worker's heartbeat (ARGV[15] the prefix) is there:
-# then anyone takes it, but after this queue's jobs offered to no one else (this worker's own, new
-# conversations', a dead worker's): a worker with room to spare helps the one the job was offered to,
-# and one without it does not read that conversation's history again while its own jobs wait, which
-# in a saturated pool made every lapse cost a prefill and lapse more (docs/scaling.md).
+# then a worker that holds nothing (ARGV[2] = 1) takes it, or any worker once that worker's heartbeat
+# is late (less than ARGV[16] ms left: a beat missed, as by a stopped process), after this queue's
+# jobs offered to no one else (this worker's own, new conversations', a dead worker's). A busy worker
+# that took them read each conversation's history again while its own turns waited, and they lapsed
+# in turn: in a saturated pool every lapse cost a prefill and made more (docs/scaling.md).
 # KEYS: the model's queues, most urgent first, then the processing list, then the wake list.
 # Returns {1 if the one job taken must run alone, the jobs, their records, {id, fingerprint, ...} of
 # those passed over for their fingerprint, ms until the first offer passed over lapses (0: none)}.
@@ -109,11 +110,14 @@ local me_id, beat_prefix = ARGV[8], ARGV[15]
 local clock = redis.call('TIME')
 local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local lapse = 0  -- ms until the first offer to another worker passed over here lapses
-local beating = {}  -- worker id -> its heartbeat is there
-local function beats(worker)
-  if beating[worker] == nil then beating[worker] = redis.call('EXISTS', beat_prefix .. worker) == 1 end
-  return beating[worker]
+local beat_left = {}  -- worker id -> ms its heartbeat has left (-2: none, a dead worker)
+local function left_ms(worker)
+  if beat_left[worker] == nil then beat_left[worker] = redis.call('PTTL', beat_prefix .. worker) end
+  return beat_left[worker]
 end
+local function beats(worker) return left_ms(worker) ~= -2 end
+-- A heartbeat with less than ARGV[16] ms left has missed its beat: its worker may be stopped.
+local function late(worker) return left_ms(worker) >= 0 and left_ms(worker) < tonumber(ARGV[16]) end
 local live = {}  -- fingerprint -> a live worker has it
 local function alive(numerics)
   if live[numerics] == nil then live[numerics] = redis.call('EXISTS', ARGV[13] .. numerics) == 1 end
@@ -148,7 +152,7 @@ for i = 1, nq do
       if wait > 0 then
         if lapse == 0 or wait < lapse then lapse = wait end
       else
-        lapsed[#lapsed + 1] = raw
+        lapsed[#lapsed + 1] = {raw, offer}
       end
     elseif by and by ~= mine and alive(by) then
       passed[#passed + 1] = id
@@ -166,10 +170,12 @@ for i = 1, nq do
     end
   end
   local left = #lapsed  -- in their place in line, behind this queue's own and shared jobs
-  for _, raw in ipairs(lapsed) do
+  for _, job in ipairs(lapsed) do
     if #taken >= limit then break end
-    take(KEYS[i], raw, 1)
-    at, left = at - 1, left - 1
+    if alone_ok or late(job[2]) then
+      take(KEYS[i], job[1], 1)
+      at, left = at - 1, left - 1
+    end
   end
   skipped[i] = at - left  -- what is left of them wakes a worker, as a job not passed over does
 end
@@ -332,15 +338,18 @@ class Published(NamedTuple):
 
 class JobQueue:
     def __init__(self, client: redis.Redis, worker_id: str, model: str, answer_ttl_s: int = 300,
-                 max_attempts: int = 2, numerics: str = ""):
+                 max_attempts: int = 2, numerics: str = "", beat_late_s: float = 1.5):
         """`numerics`: the worker's numerics fingerprint (WorkerInfo.numerics), registered with its
-        heartbeat: a dead worker's jobs are left a moment for a live worker of the same one."""
+        heartbeat: a dead worker's jobs are left a moment for a live worker of the same one.
+        `beat_late_s`: another worker's heartbeat with less life left than this has missed a beat
+        (`late_beat_s`): a busy worker then takes the offers to it that have lapsed."""
         self.redis = client
         self.worker_id = worker_id
         self.model = model
         self.numerics = numerics
         self.answer_ttl_s = answer_ttl_s
         self.max_attempts = max_attempts
+        self.beat_late_s = beat_late_s
         self.isolated: set[str] = set()  # held jobs that run alone: their earlier worker died
         self._wake = keys.wake(model)
         self._own_wake = keys.worker_wake(model, worker_id)
@@ -413,7 +422,8 @@ class JobQueue:
             args=[limit, int(alone_ok), self.max_attempts, keys.attempts(self.model, ""),
                   keys.drained_prefix(self.model), DRAINED_TTL_S, keys.lease(self.model, ""), self.worker_id,
                   LEASE_TTL_S, keys.written(self.model, ""), self.numerics, keys.written_by(self.model, ""),
-                  keys.live_numerics(self.model, ""), PASS_OVER_AT_MOST, keys.heartbeat(self.model, "")])
+                  keys.live_numerics(self.model, ""), PASS_OVER_AT_MOST, keys.heartbeat(self.model, ""),
+                  int(self.beat_late_s * 1000)])
         self.offer_lapses_s = lapse_ms / 1000 if lapse_ms else None
         if isolated:
             self.isolated.add(_job_id(raws[0]))
@@ -708,6 +718,13 @@ class JobQueue:
                             "retries", worker_id, requeued, failed, self.max_attempts)
             total += requeued
         return total
+
+
+def late_beat_s(heartbeat_s: float, heartbeat_ttl_s: float) -> float:
+    """The life left below which a worker's heartbeat has missed a beat: renewed to `heartbeat_ttl_s`
+    every `heartbeat_s`, a live one has more than the TTL less a beat left, and half a beat more is
+    slack for a beat that comes late (a busy machine)."""
+    return max(0.0, heartbeat_ttl_s - 1.5 * heartbeat_s)
 
 
 def _record_text(tokens: list[int]) -> str:
