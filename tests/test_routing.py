@@ -6,6 +6,7 @@ On fakeredis and a real redis-server.
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import replace
 
@@ -97,6 +98,25 @@ def test_a_lapsed_offer_goes_to_a_worker_that_holds_nothing_or_past_a_late_holde
     assert job_ids_of(other.take(limit=1, wait_s=0, block_s=0, alone_ok=False)) == ["job-5"]
     assert other.offers["taken over"] == 2
     assert holder.take(limit=4, wait_s=0, block_s=0) == []
+
+
+def test_an_offer_to_a_draining_or_full_worker_holds_nothing_back(any_redis):
+    """A worker that drains, or holds jobs it has not started (its heartbeat's `waiting`: full),
+    would not start an offered job soon: a busy worker takes it in its place, offer or not."""
+    other, full = _worker(any_redis, "other"), _worker(any_redis, "full")
+    announce_worker(_worker(any_redis, "draining", beating=False), ttl_s=60, draining=True)
+    info = json.loads(any_redis.get(keys.heartbeat(MODEL, "full")))
+    info["stats"] = {"running": 16, "waiting": 2}
+    any_redis.set(keys.heartbeat(MODEL, "full"), json.dumps(info), px=60_000)
+    until = _now_ms(any_redis) + HOLD_MS
+    _push(any_redis, 0, offer="draining", until_ms=until)
+    _push(any_redis, 1, offer="full", until_ms=until)
+    assert job_ids_of(other.take(limit=4, wait_s=0, block_s=0, alone_ok=False)) == ["job-0", "job-1"]
+    info["stats"]["waiting"] = 0  # room again: its offers hold
+    any_redis.set(keys.heartbeat(MODEL, "full"), json.dumps(info), px=60_000)
+    _push(any_redis, 2, offer="full", until_ms=until)
+    assert other.take(limit=4, wait_s=0, block_s=0) == []
+    assert job_ids_of(full.take(limit=4, wait_s=0, block_s=0)) == ["job-2"]
 
 
 def test_priority_order_holds_across_offered_and_shared_jobs(any_redis):

@@ -90,12 +90,13 @@ LOST = "lost"
 # (worker.py): jobs it leaves behind wake an idle worker, as the API's push did, so none sleeps
 # through its block while work waits (one token, if none is there already).
 # A job offered to another worker (its "offer", shared/routing.py) is passed over the same way until
-# its offer_until (ms of Redis' clock), while that worker's heartbeat (ARGV[15] the prefix) is there:
-# then a worker that holds nothing (ARGV[2] = 1) takes it, or any worker once that worker's heartbeat
-# is late (less than ARGV[16] ms left: a beat missed, as by a stopped process), after this queue's
-# jobs offered to no one else (this worker's own, new conversations', a dead worker's). A busy worker
-# that took them read each conversation's history again while its own turns waited, and they lapsed
-# in turn: in a saturated pool every lapse cost a prefill and made more (docs/scaling.md).
+# its offer_until (ms of Redis' clock), while that worker's heartbeat (ARGV[15] the prefix) is there
+# and says it neither drains nor holds jobs it has not started (its stats' `waiting`: it is full).
+# Then a worker that holds nothing (ARGV[2] = 1) takes it, or any worker once that worker's
+# heartbeat is late (less than ARGV[16] ms left: a beat missed, as a stopped process misses it),
+# after this queue's jobs offered to no one else (its own, new conversations', a dead worker's). A
+# busy worker that took it read the conversation's history again while its own turns waited, and
+# those lapsed in turn: in a saturated pool every lapse cost a prefill and made more (docs/scaling.md).
 # KEYS: the model's queues, most urgent first, then the processing list, then the wake list.
 # Returns {1 if the one job taken must run alone, the jobs, their records, {id, fingerprint, ...} of
 # those passed over for their fingerprint, ms until the first offer passed over lapses (0: none)}.
@@ -110,14 +111,28 @@ local me_id, beat_prefix = ARGV[8], ARGV[15]
 local clock = redis.call('TIME')
 local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local lapse = 0  -- ms until the first offer to another worker passed over here lapses
-local beat_left = {}  -- worker id -> ms its heartbeat has left (-2: none, a dead worker)
-local function left_ms(worker)
-  if beat_left[worker] == nil then beat_left[worker] = redis.call('PTTL', beat_prefix .. worker) end
-  return beat_left[worker]
+local holders = {}  -- worker id -> {ms its heartbeat has left (-2: none), whether offers to it hold}
+local function holder(worker)
+  if holders[worker] == nil then
+    local key = beat_prefix .. worker
+    local left = redis.call('PTTL', key)
+    local holds = left ~= -2  -- a dead worker's offers hold nothing; nor a draining or full one's
+    if holds then
+      local ok, info = pcall(cjson.decode, redis.call('GET', key) or '{}')
+      if ok and type(info) == 'table' then
+        local stats = type(info.stats) == 'table' and info.stats or {}
+        holds = info.draining ~= true and (tonumber(stats.waiting) or 0) == 0
+      end
+    end
+    holders[worker] = {left, holds}
+  end
+  return holders[worker]
 end
-local function beats(worker) return left_ms(worker) ~= -2 end
 -- A heartbeat with less than ARGV[16] ms left has missed its beat: its worker may be stopped.
-local function late(worker) return left_ms(worker) >= 0 and left_ms(worker) < tonumber(ARGV[16]) end
+local function late(worker)
+  local left = holder(worker)[1]
+  return left >= 0 and left < tonumber(ARGV[16])
+end
 local live = {}  -- fingerprint -> a live worker has it
 local function alive(numerics)
   if live[numerics] == nil then live[numerics] = redis.call('EXISTS', ARGV[13] .. numerics) == 1 end
@@ -147,7 +162,7 @@ for i = 1, nq do
     local offer, until_ms = string.match(raw, '"offer":"([^"]+)","offer_until":(%d+)')
     local wait = 0
     if offer and offer ~= me_id then wait = tonumber(until_ms) - now_ms end
-    if offer and offer ~= me_id and beats(offer) then  -- offered to a live worker: its own until the offer lapses
+    if offer and offer ~= me_id and holder(offer)[2] then  -- its worker's own until the offer lapses
       npassed, at = npassed + 1, at + 1
       if wait > 0 then
         if lapse == 0 or wait < lapse then lapse = wait end
