@@ -79,20 +79,22 @@ def conversation(client, model: str, player: int, turns: int, system: str) -> li
 
 def offer_waits(samples: list[dict]) -> dict:
     """The workers' offered jobs (taken by their own worker, or by the other once the offer lapsed)
-    and quantiles of the own takes' wait (storyteller_offer_wait_seconds: the upper bound of the
-    bucket each quantile falls in), summed over the workers' /metrics."""
-    own = sum(value(s, names.OFFERED_JOBS, taken_by="own") for s in samples)
-    other = sum(value(s, names.OFFERED_JOBS, taken_by="other") for s in samples)
-    by_bound = Counter()  # a bucket's `le` label -> its count, summed over the workers
-    for s in samples:
-        for (name, labels), count in s.items():
-            if name == names.OFFER_WAIT + "_bucket":
-                by_bound[dict(labels)["le"]] += count
-    bounds = sorted(by_bound, key=float)  # float("+Inf") sorts last
-    total = by_bound[bounds[-1]] if bounds else 0
-    quantile = lambda q: next(float(b) for b in bounds if by_bound[b] >= q * total) if total else None  # noqa: E731
-    return {"offered_own": own, "offered_taken_over": other,
-            "own_wait_s": {f"p{round(q * 100)}": quantile(q) for q in (0.5, 0.9, 0.99)}}
+    and quantiles of each kind's wait (storyteller_offer_wait_seconds: the upper bound of the bucket
+    each quantile falls in), summed over the workers' /metrics."""
+    def quantiles(taken_by: str) -> dict:
+        by_bound = Counter()  # a bucket's `le` label -> its count, summed over the workers
+        for s in samples:
+            for (name, labels), count in s.items():
+                if name == names.OFFER_WAIT + "_bucket" and dict(labels).get("taken_by") == taken_by:
+                    by_bound[dict(labels)["le"]] += count
+        bounds = sorted(by_bound, key=float)  # float("+Inf") sorts last
+        total = by_bound[bounds[-1]] if bounds else 0
+        quantile = lambda q: next(float(b) for b in bounds if by_bound[b] >= q * total) if total else None  # noqa: E731
+        return {f"p{round(q * 100)}": quantile(q) for q in (0.5, 0.9, 0.99)}
+
+    return {"offered_own": sum(value(s, names.OFFERED_JOBS, taken_by="own") for s in samples),
+            "offered_taken_over": sum(value(s, names.OFFERED_JOBS, taken_by="other") for s in samples),
+            "own_wait_s": quantiles("own"), "taken_over_wait_s": quantiles("other")}
 
 
 def pause_worker(process, after_s: float, pause_s: float, window: dict) -> None:
@@ -182,11 +184,12 @@ def main(argv=None) -> int:
               f"pause, time to first token median {paused['paused']['ttft_median_s']} s, at most "
               f"{paused['paused']['ttft_max_s']} s (the whole run's median from turn 3: "
               f"{paused['ttft_from_turn_3_median_s']} s); offered jobs taken over: "
-              f"{paused['offers']['offered_taken_over']:.0f}; errors {paused['errors']}")
+              f"{paused['offers']['offered_taken_over']:.0f}, their wait before it (bucket bounds, s): "
+              f"{paused['offers']['taken_over_wait_s']}; errors {paused['errors']}")
     offers = on["offers"]
     print(f"\nrouting: {offers['offered_own']:.0f} offered jobs taken by their own worker, "
-          f"{offers['offered_taken_over']:.0f} by the other once the offer lapsed; the own takes' wait "
-          f"(bucket bounds, s): {offers['own_wait_s']}")
+          f"{offers['offered_taken_over']:.0f} by the other; their wait (bucket bounds, s): own "
+          f"{offers['own_wait_s']}, taken over {offers['taken_over_wait_s']}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json(out.with_suffix(".json"), {"when": datetime.datetime.now().isoformat(timespec="seconds"),

@@ -38,7 +38,7 @@ PREFIX_CACHE_HIT_TOKENS = f"{PREFIX}_prefix_cache_hit_tokens_total"  # prompt to
 # Jobs the API offered to the worker holding their conversation (shared/routing.py), taken by that
 # worker ("own") or, once the offer lapsed, by another ("other"); and the requests the API routed.
 OFFERED_JOBS = f"{PREFIX}_offered_jobs_total"
-OFFER_WAIT = f"{PREFIX}_offer_wait_seconds"  # an offered job's time in the queue before its own worker took it
+OFFER_WAIT = f"{PREFIX}_offer_wait_seconds"  # an offered job's time in the queue before a worker took it
 ROUTED_REQUESTS = f"{PREFIX}_routed_requests_total"
 FORCED_TOKENS = f"{PREFIX}_forced_tokens_total"  # of those, tokens a grammar forced (no step of their own)
 REQUEUED_JOBS = f"{PREFIX}_requeued_jobs_total"        # jobs of dead workers put back

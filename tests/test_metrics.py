@@ -245,12 +245,14 @@ def test_worker_histograms_observe_queue_wait_per_token_time_and_batches():
     assert 0.5 <= value(samples, names.QUEUE_WAIT + "_sum", model="histograms") < 5
 
 
-def test_the_offer_wait_counts_only_jobs_offered_to_this_worker():
+def test_the_offer_wait_counts_offered_jobs_by_who_took_them():
     observed = WorkerMetrics("offers", worker_id="w1")
     own, other, shared = (replace(job, offer=offer) for job, offer in zip(_shared_prefix_jobs(3), ("w1", "w2", "")))
     for job in (own, other, shared):
         observed.taken(job, redis_now=time.time())
     samples = parse(generate_latest().decode())
     assert value(samples, names.QUEUE_WAIT + "_count", model="offers") == 3
-    assert value(samples, names.OFFER_WAIT + "_count", model="offers") == 1  # its own offer, not w2's nor none
-    assert 0.5 <= value(samples, names.OFFER_WAIT + "_sum", model="offers") < 5
+    # its own offer and w2's, apart; the job offered to no one, in neither
+    assert value(samples, names.OFFER_WAIT + "_count", model="offers", taken_by="own") == 1
+    assert value(samples, names.OFFER_WAIT + "_count", model="offers", taken_by="other") == 1
+    assert 0.5 <= value(samples, names.OFFER_WAIT + "_sum", model="offers", taken_by="own") < 5

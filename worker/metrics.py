@@ -30,11 +30,13 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 QUEUE_WAIT = Histogram(names.QUEUE_WAIT, "From a job's queueing by the API to its taking by a worker "
                        "(both in Redis' clock)", ["model"], buckets=WAIT_BUCKETS)
-# How long a job offered to this worker waited before this worker took it: in a pool with room, the
-# step it finished first, which --affinity-wait should cover; in a saturated one, mostly its time in
-# line (docs/scaling.md). bench/conversations.py reads it.
-OFFER_WAIT = Histogram(names.OFFER_WAIT, "From the queueing of a job offered to this worker (routing) "
-                       "to its taking by this worker (both in Redis' clock)", ["model"], buckets=WAIT_BUCKETS)
+# How long an offered job waited before it was taken: by its own worker ("own"), in a pool with room
+# the step it finished first, which --affinity-wait should cover, in a saturated one mostly its time
+# in line; by another ("other"), its offer, or its worker's late beat, and its share of the line
+# (docs/scaling.md). bench/conversations.py reads it.
+OFFER_WAIT = Histogram(names.OFFER_WAIT, "From the queueing of a job offered to a worker (routing) to "
+                       "its taking (both in Redis' clock), by that worker (own) or another (other)",
+                       ["model", "taken_by"], buckets=WAIT_BUCKETS)
 TIME_PER_OUTPUT_TOKEN = Histogram(names.TIME_PER_OUTPUT_TOKEN, "A finished job's time from its first "
                                   "token to its last, per token after the first", ["model"],
                                   buckets=TOKEN_BUCKETS)
@@ -51,7 +53,7 @@ class WorkerMetrics:
         # Bound once: a step costs one histogram observation, not a label lookup too.
         self.worker_id = worker_id
         self._wait = QUEUE_WAIT.labels(model)
-        self._offer_wait = OFFER_WAIT.labels(model)
+        self._offer_wait = {by: OFFER_WAIT.labels(model, by) for by in ("own", "other")}
         self._per_token = TIME_PER_OUTPUT_TOKEN.labels(model)
         self._batch = BATCH_SIZE.labels(model)
         self._resumed = RESUMED_TOKENS.labels(model)  # bound now: exported at 0 before any resume
@@ -61,8 +63,8 @@ class WorkerMetrics:
         waited = clock.queue_wait(job.enqueued_at, redis_now)
         if waited is not None:
             self._wait.observe(waited)
-            if job.offer and job.offer == self.worker_id:
-                self._offer_wait.observe(waited)
+            if job.offer:
+                self._offer_wait["own" if job.offer == self.worker_id else "other"].observe(waited)
 
     def resumed(self, tokens: int) -> None:
         self._resumed.inc(tokens)
