@@ -2,8 +2,9 @@
 
 One MGET per request: the notes of every leading full block of its prompt, deepest first. The job is
 offered to the worker of the deepest note that is live and not draining; that worker alone may take
-it for --affinity-wait or two of its steps, the longer (`offer_wait`; the take script's rule,
-worker/job_queue.py), then any worker may, in its place in line. Priority order, the cap on waiting
+it for --affinity-wait or two of its steps, the longer (`offer_wait`), then a worker that holds
+nothing may, or any worker once the first one's heartbeat is late, and at once where it drains or is
+full (the take script's rule, worker/job_queue.py). Priority order, the cap on waiting
 jobs and the put-back of a dead worker's jobs are the queue's as always: an offer only says who looks
 first.
 """

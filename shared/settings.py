@@ -46,7 +46,8 @@ class Settings:
                                   "4x what the live workers hold at once; 0: unbounded)")
     affinity_wait: float = _setting(0.05, "seconds at least a conversation's next turn is offered to the worker "
                                           "that answered its last one (its prefix cache holds the history) before "
-                                          "any worker may take it; longer where that worker's steps are (two of "
+                                          "an idle worker may take it (a busy one once that worker's heartbeat is "
+                                          "late); longer where that worker's steps are (two of "
                                           "them, up to 2 s) (0: no routing; docs/scaling.md says how the "
                                           "default was measured)")
     worker_grace: float = _setting(60.0, "seconds a request whose jobs are queued waits for a worker "
