@@ -35,6 +35,7 @@ import redis
 from shared import keys
 from shared.protocol import Failure, Job, WorkerInfo, encode_result
 from shared.redis_client import is_cluster_client, server_time
+from shared.settings import Settings
 from worker.clock import RedisClock
 from worker.sequence import Sequence
 
@@ -160,10 +161,9 @@ for i = 1, nq do
     local tries = tonumber(redis.call('GET', ARGV[4] .. id) or '0')
     local by = tries > 0 and redis.call('GET', ARGV[12] .. id)
     local offer, until_ms = string.match(raw, '"offer":"([^"]+)","offer_until":(%d+)')
-    local wait = 0
-    if offer and offer ~= me_id then wait = tonumber(until_ms) - now_ms end
     if offer and offer ~= me_id and holder(offer)[2] then  -- its worker's own until the offer lapses
       npassed, at = npassed + 1, at + 1
+      local wait = tonumber(until_ms) - now_ms
       if wait > 0 then
         if lapse == 0 or wait < lapse then lapse = wait end
       else
@@ -351,9 +351,17 @@ class Published(NamedTuple):
     lost: list[Sequence]  # another worker holds their jobs now: cancelled, nothing was sent
 
 
+def late_beat_s(heartbeat_s: float, heartbeat_ttl_s: float) -> float:
+    """The life left below which a worker's heartbeat has missed a beat: renewed to `heartbeat_ttl_s`
+    every `heartbeat_s`, a live one has more than the TTL less a beat left, and half a beat more is
+    slack for a beat that comes late (a busy machine)."""
+    return max(0.0, heartbeat_ttl_s - 1.5 * heartbeat_s)
+
+
 class JobQueue:
     def __init__(self, client: redis.Redis, worker_id: str, model: str, answer_ttl_s: int = 300,
-                 max_attempts: int = 2, numerics: str = "", beat_late_s: float = 1.5):
+                 max_attempts: int = 2, numerics: str = "",
+                 beat_late_s: float = late_beat_s(Settings.heartbeat_s, Settings.heartbeat_ttl_s)):
         """`numerics`: the worker's numerics fingerprint (WorkerInfo.numerics), registered with its
         heartbeat: a dead worker's jobs are left a moment for a live worker of the same one.
         `beat_late_s`: another worker's heartbeat with less life left than this has missed a beat
@@ -733,13 +741,6 @@ class JobQueue:
                             "retries", worker_id, requeued, failed, self.max_attempts)
             total += requeued
         return total
-
-
-def late_beat_s(heartbeat_s: float, heartbeat_ttl_s: float) -> float:
-    """The life left below which a worker's heartbeat has missed a beat: renewed to `heartbeat_ttl_s`
-    every `heartbeat_s`, a live one has more than the TTL less a beat left, and half a beat more is
-    slack for a beat that comes late (a busy machine)."""
-    return max(0.0, heartbeat_ttl_s - 1.5 * heartbeat_s)
 
 
 def _record_text(tokens: list[int]) -> str:
