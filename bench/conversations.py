@@ -80,7 +80,8 @@ def conversation(client, model: str, player: int, turns: int, system: str) -> li
 def offer_waits(samples: list[dict]) -> dict:
     """The workers' offered jobs (taken by their own worker, or by the other once the offer lapsed)
     and quantiles of each kind's wait (storyteller_offer_wait_seconds: the upper bound of the bucket
-    each quantile falls in), summed over the workers' /metrics."""
+    each quantile falls in; p100, the longest's), summed over the workers' /metrics, and the jobs
+    they put back after a worker's heartbeat expired."""
     def quantiles(taken_by: str) -> dict:
         by_bound = Counter()  # a bucket's `le` label -> its count, summed over the workers
         for s in samples:
@@ -90,10 +91,12 @@ def offer_waits(samples: list[dict]) -> dict:
         bounds = sorted(by_bound, key=float)  # float("+Inf") sorts last
         total = by_bound[bounds[-1]] if bounds else 0
         quantile = lambda q: next(float(b) for b in bounds if by_bound[b] >= q * total) if total else None  # noqa: E731
-        return {f"p{round(q * 100)}": quantile(q) for q in (0.5, 0.9, 0.99)}
+        return {f"p{round(q * 100)}": quantile(q) for q in (0.5, 0.9, 0.99, 1.0)}
 
     return {"offered_own": sum(value(s, names.OFFERED_JOBS, taken_by="own") for s in samples),
             "offered_taken_over": sum(value(s, names.OFFERED_JOBS, taken_by="other") for s in samples),
+            # a stopped worker's jobs, put back once its heartbeat expired: in neither count above
+            "requeued": sum(value(s, names.REQUEUED_JOBS) for s in samples),
             "own_wait_s": quantiles("own"), "taken_over_wait_s": quantiles("other")}
 
 
@@ -185,7 +188,9 @@ def main(argv=None) -> int:
               f"{paused['paused']['ttft_max_s']} s (the whole run's median from turn 3: "
               f"{paused['ttft_from_turn_3_median_s']} s); offered jobs taken over: "
               f"{paused['offers']['offered_taken_over']:.0f}, their wait before it (bucket bounds, s): "
-              f"{paused['offers']['taken_over_wait_s']}; errors {paused['errors']}")
+              f"{paused['offers']['taken_over_wait_s']}, while its own worker's took "
+              f"{paused['offers']['own_wait_s']}; put back after the stopped worker's heartbeat "
+              f"expired: {paused['offers']['requeued']:.0f}; errors {paused['errors']}")
     offers = on["offers"]
     print(f"\nrouting: {offers['offered_own']:.0f} offered jobs taken by their own worker, "
           f"{offers['offered_taken_over']:.0f} by the other; their wait (bucket bounds, s): own "

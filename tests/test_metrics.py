@@ -247,12 +247,14 @@ def test_worker_histograms_observe_queue_wait_per_token_time_and_batches():
 
 def test_the_offer_wait_counts_offered_jobs_by_who_took_them():
     observed = WorkerMetrics("offers", worker_id="w1")
-    own, other, shared = (replace(job, offer=offer) for job, offer in zip(_shared_prefix_jobs(3), ("w1", "w2", "")))
+    own, other, shared, put_back = (replace(job, offer=offer) for job, offer
+                                    in zip(_shared_prefix_jobs(4), ("w1", "w2", "", "w2")))
     for job in (own, other, shared):
         observed.taken(job, redis_now=time.time())
+    observed.taken(put_back, redis_now=time.time(), retried=True)
     samples = parse(generate_latest().decode())
-    assert value(samples, names.QUEUE_WAIT + "_count", model="offers") == 3
-    # its own offer and w2's, apart; the job offered to no one, in neither
+    assert value(samples, names.QUEUE_WAIT + "_count", model="offers") == 4
+    # its own offer and w2's, apart; the job offered to no one, and the one w2 died holding, in neither
     assert value(samples, names.OFFER_WAIT + "_count", model="offers", taken_by="own") == 1
     assert value(samples, names.OFFER_WAIT + "_count", model="offers", taken_by="other") == 1
     assert 0.5 <= value(samples, names.OFFER_WAIT + "_sum", model="offers", taken_by="own") < 5

@@ -14,7 +14,7 @@ from api import routing
 from api.admission import Admission
 from shared import keys
 from shared.routing import ROUTE_BLOCK, chain
-from tests.queue_jobs import MODEL, announce_worker, job_ids_of, numbered_job
+from tests.queue_jobs import MODEL, announce_worker, job_ids_of, lapse, numbered_job
 from worker.job_queue import JobQueue
 from worker.sequence import Sequence
 
@@ -71,6 +71,20 @@ def test_a_lapsed_offer_or_a_dead_holder_holds_nothing_back(any_redis):
     # The lapsed offer comes after the jobs offered to no live worker: the dead one's, the shared.
     assert job_ids_of(other.take(limit=4, wait_s=0, block_s=0)) == ["job-1", "job-2", "job-0"]
     assert other.offers["taken over"] == 2
+
+
+def test_a_job_its_offered_worker_took_and_died_holding_is_put_back_not_taken_over(any_redis):
+    holder, other = _worker(any_redis, "holder"), _worker(any_redis, "other")
+    _push(any_redis, 0, offer="holder", until_ms=_now_ms(any_redis) + HOLD_MS)
+    _push(any_redis, 1, offer="holder", until_ms=_now_ms(any_redis) + HOLD_MS)
+    assert job_ids_of(holder.take(limit=1, wait_s=0, block_s=0)) == ["job-0"]
+    lapse(any_redis, keys.heartbeat(MODEL, "holder"))
+    assert other.requeue_dead_workers() == 1
+    # Both go to the other worker now; only job-1 was an offer taken over: job-0's wait was the
+    # dead worker's hold of it (its queue wait counts from its first queueing), which the offer's
+    # wait and count leave out (worker/metrics.py).
+    assert job_ids_of(other.take(limit=4, wait_s=0, block_s=0)) == ["job-0", "job-1"]
+    assert other.retried == {"job-0"} and other.offers["taken over"] == 1
 
 
 def test_a_lapsed_offer_goes_to_a_worker_that_holds_nothing_or_past_a_late_holder(any_redis):

@@ -100,13 +100,14 @@ LOST = "lost"
 # those lapsed in turn: in a saturated pool every lapse cost a prefill and made more (docs/scaling.md).
 # KEYS: the model's queues, most urgent first, then the processing list, then the wake list.
 # Returns {1 if the one job taken must run alone, the jobs, their records, {id, fingerprint, ...} of
-# those passed over for their fingerprint, ms until the first offer passed over lapses (0: none)}.
+# those passed over for their fingerprint, ms until the first offer passed over lapses (0: none),
+# the ids of the jobs taken that a dead worker held (put back: an attempts key)}.
 _TAKE = """
 local nq = #KEYS - 2
 local processing = KEYS[nq + 1]
 local limit, alone_ok, last_retry = tonumber(ARGV[1]), ARGV[2] == '1', tonumber(ARGV[3])
 local mine, most_passed = ARGV[11], tonumber(ARGV[14])
-local taken, isolated, written, passed, skipped = {}, 0, {}, {}, {}
+local taken, isolated, written, passed, skipped, retried = {}, 0, {}, {}, {}, {}
 local npassed = 0
 local me_id, beat_prefix = ARGV[8], ARGV[15]
 local clock = redis.call('TIME')
@@ -139,7 +140,7 @@ local function alive(numerics)
   if live[numerics] == nil then live[numerics] = redis.call('EXISTS', ARGV[13] .. numerics) == 1 end
   return live[numerics]
 end
-local function take(queue, raw, at)
+local function take(queue, raw, at, tries)
   if at == 0 then
     redis.call('LMOVE', queue, processing, 'LEFT', 'RIGHT')
   else  -- behind jobs passed over
@@ -148,6 +149,7 @@ local function take(queue, raw, at)
   end
   local id = string.match(raw, '^{"id":"([^"]*)"')
   if id then redis.call('SET', ARGV[7] .. id, ARGV[8], 'EX', tonumber(ARGV[9])) end
+  if id and tries > 0 then retried[#retried + 1] = id end
   taken[#taken + 1] = raw
   written[#taken] = id and redis.call('GET', ARGV[10] .. id) or ''
 end
@@ -167,7 +169,7 @@ for i = 1, nq do
       if wait > 0 then
         if lapse == 0 or wait < lapse then lapse = wait end
       else
-        lapsed[#lapsed + 1] = {raw, offer}
+        lapsed[#lapsed + 1] = {raw, offer, tries}
       end
     elseif by and by ~= mine and alive(by) then
       passed[#passed + 1] = id
@@ -175,20 +177,20 @@ for i = 1, nq do
       npassed, at = npassed + 1, at + 1
     elseif last_retry > 0 and tries >= last_retry then
       if alone_ok and #taken == 0 then
-        take(KEYS[i], raw, at)
+        take(KEYS[i], raw, at, tries)
         isolated = 1
       end
       limit = 0  -- nothing more now: it runs alone, or waits for a worker that holds nothing
       break
     else
-      take(KEYS[i], raw, at)
+      take(KEYS[i], raw, at, tries)
     end
   end
   local left = #lapsed  -- in their place in line, behind this queue's own and shared jobs
   for _, job in ipairs(lapsed) do
     if #taken >= limit then break end
     if alone_ok or late(job[2]) then
-      take(KEYS[i], job[1], 1)
+      take(KEYS[i], job[1], 1, job[3])
       at, left = at - 1, left - 1
     end
   end
@@ -207,7 +209,7 @@ if redis.call('LLEN', KEYS[nq + 2]) == 0 and npassed < most_passed then
     end
   end
 end
-return {isolated, taken, written, passed, lapse}
+return {isolated, taken, written, passed, lapse, retried}
 """
 
 # Put a dead worker's jobs back at the front of their queues, newest first so the oldest ends up
@@ -392,6 +394,9 @@ class JobQueue:
         # Job id -> the tokens an earlier attempt wrote (its record), for the engine to resume from:
         # the worker takes each out as it adds the job.
         self.written: dict[str, list[int]] = {}
+        # Ids of jobs taken that a dead worker held (put back), which the worker takes out the same
+        # way: their queue wait counts from their first queueing, and is not an offer's (metrics.py).
+        self.retried: set[str] = set()
         self._record_bytes: dict[str, int] = {}  # job id -> the length of its record in Redis
         self._whole_due = time.monotonic() + RECORD_INTERVAL_S  # when whole jobs' tokens are recorded next
         # Dead workers' jobs this worker put back / failed after max_attempts, by model (/metrics).
@@ -434,13 +439,13 @@ class JobQueue:
             taken += self._take_now(limit - len(taken), alone_ok=False)
         jobs = [job for job in (self._parse(raw, record) for raw, record in taken) if job is not None]
         for job in jobs:
-            if job.offer:  # routed here, or taken after its offer to another worker lapsed
+            if job.offer and job.id not in self.retried:  # routed here, or its offer elsewhere lapsed
                 self.offers["own" if job.offer == self.worker_id else "taken over"] += 1
         return jobs
 
     def _take_now(self, limit: int, alone_ok: bool) -> list[tuple[bytes, bytes]]:
         """(job JSON, its record of written tokens) for each job taken."""
-        isolated, raws, records, passed, lapse_ms = self._take_script(
+        isolated, raws, records, passed, lapse_ms, retried = self._take_script(
             keys=[*keys.queues(self.model), self._processing, self._wake],
             args=[limit, int(alone_ok), self.max_attempts, keys.attempts(self.model, ""),
                   keys.drained_prefix(self.model), DRAINED_TTL_S, keys.lease(self.model, ""), self.worker_id,
@@ -448,6 +453,7 @@ class JobQueue:
                   keys.live_numerics(self.model, ""), PASS_OVER_AT_MOST, keys.heartbeat(self.model, ""),
                   int(self.beat_late_s * 1000)])
         self.offer_lapses_s = lapse_ms / 1000 if lapse_ms else None
+        self.retried.update(map(_text, retried))
         if isolated:
             self.isolated.add(_job_id(raws[0]))
         for job_id, numerics in zip(map(_text, passed[::2]), map(_text, passed[1::2])):

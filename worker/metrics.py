@@ -33,9 +33,11 @@ QUEUE_WAIT = Histogram(names.QUEUE_WAIT, "From a job's queueing by the API to it
 # How long an offered job waited before it was taken: by its own worker ("own"), in a pool with room
 # the step it finished first, which --affinity-wait should cover, in a saturated one mostly its time
 # in line; by another ("other"), its offer, or its worker's late beat, and its share of the line
-# (docs/scaling.md). bench/conversations.py reads it.
+# (docs/scaling.md). Not a job a dead worker held: its wait was that worker's hold and the
+# requeue's look, not its offer's. bench/conversations.py reads it.
 OFFER_WAIT = Histogram(names.OFFER_WAIT, "From the queueing of a job offered to a worker (routing) to "
-                       "its taking (both in Redis' clock), by that worker (own) or another (other)",
+                       "its taking (both in Redis' clock), by that worker (own) or another (other); "
+                       "not those put back after their worker died",
                        ["model", "taken_by"], buckets=WAIT_BUCKETS)
 TIME_PER_OUTPUT_TOKEN = Histogram(names.TIME_PER_OUTPUT_TOKEN, "A finished job's time from its first "
                                   "token to its last, per token after the first", ["model"],
@@ -58,12 +60,13 @@ class WorkerMetrics:
         self._batch = BATCH_SIZE.labels(model)
         self._resumed = RESUMED_TOKENS.labels(model)  # bound now: exported at 0 before any resume
 
-    def taken(self, job: Job, redis_now: float) -> None:
-        """`redis_now`: Redis' time at its taking, the clock its enqueued_at was read from."""
+    def taken(self, job: Job, redis_now: float, retried: bool = False) -> None:
+        """`redis_now`: Redis' time at its taking, the clock its enqueued_at was read from.
+        `retried`: a dead worker held it, so its wait was that worker's, not its offer's."""
         waited = clock.queue_wait(job.enqueued_at, redis_now)
         if waited is not None:
             self._wait.observe(waited)
-            if job.offer:
+            if job.offer and not retried:
                 self._offer_wait["own" if job.offer == self.worker_id else "other"].observe(waited)
 
     def resumed(self, tokens: int) -> None:

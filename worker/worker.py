@@ -197,7 +197,9 @@ class Worker:
         complete = []
         for job in taken:
             written = self.queue.written.pop(job.id, None)
-            self.metrics.taken(job, now)
+            retried = job.id in self.queue.retried
+            self.queue.retried.discard(job.id)
+            self.metrics.taken(job, now, retried)
             if clock.expired(job.enqueued_at, job.timeout_s, now):  # nobody is waiting for it any more
                 self.queue.fail([job.id], "the request's deadline passed before it was decoded", "timeout")
                 continue
