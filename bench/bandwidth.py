@@ -50,6 +50,30 @@ def measure(gib: float, repeats: int) -> dict[str, float]:
     return rates
 
 
+def weight_bytes_per_token(path: str) -> int:
+    """The bytes of a GGUF file's tensors one decoding step reads: all of them, but for the token
+    embedding where the file has an output (head) tensor of its own (a step reads one row of it)."""
+    import gguf
+    tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
+    if "output.weight" in tensors:
+        tensors.pop("token_embd.weight", None)
+    return sum(tensors.values())
+
+
+def bound(path: str, threads: int, gib: float = 1.0, repeats: int = 7) -> dict:
+    """A lone player's bound on a GGUF file on `threads` threads, measured now: the fastest way's
+    GB/s and the tokens/s it allows at the file's own weight bytes a token."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        best = max(measure(gib, repeats).values())
+    finally:
+        torch.set_num_threads(before)
+    per_token = weight_bytes_per_token(path)
+    return {"bandwidth_gb_s": round(best, 2), "bytes_per_token": per_token,
+            "bound_tokens_per_s": round(best * 1e9 / per_token, 2)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2, help="torch threads (the worker's TORCH_THREADS)")

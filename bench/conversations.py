@@ -3,7 +3,7 @@ conversation (docs/scaling.md, routing) and without it, in one run.
 
     python -m bench.conversations --out docs/results/conversations
     python -m bench.conversations --players 8 --turns 4 --out /tmp/conversations   # a quick look
-    python -m bench.conversations --pause-s 20   # and a third run, one worker stopped for 20 s
+    python -m bench.conversations --pause-s 20   # and both again, one worker stopped for 20 s
     python -m bench.conversations --model path/to/model.Q4_K_M.gguf --players 8   # a larger model
 
 Each mode starts its own stack (redis-server, the API, two workers of the packaged SmolLM2, or of
@@ -40,7 +40,8 @@ from shared import metrics as names
 from tests.prometheus_text import scrape, value
 
 MODES = {"routing": {"AFFINITY_WAIT": "0.05"}, "no routing": {"AFFINITY_WAIT": "0"}}
-PAUSED = "routing, a worker paused"  # --pause-s: routing on, one worker stopped (SIGSTOP) mid-run
+# --pause-s: both again, one worker stopped (SIGSTOP) mid-run
+PAUSED = {"routing, a worker paused": "routing", "no routing, a worker paused": "no routing"}
 REPLY_TOKENS = 80
 
 
@@ -139,13 +140,24 @@ def run_mode(env: dict, label: str, players: int, turns: int, system: str, pause
 
 
 def during(rows: list[dict], window: dict) -> Optional[dict]:
-    """The turns begun while a worker was paused: how many, and their times to first token."""
+    """The turns begun while a worker was paused: how many, and their times to first token; and
+    apart, those of later turns whose worker held the history (most of the prompt found cached:
+    the running worker's own conversations) and those read again (the paused worker's, taken over
+    or put back), so that what the paused worker's turns waited is seen beside the running
+    worker's own line in the same seconds."""
     if not window:
         return None
-    inside = [r["ttft_s"] for r in rows if window["from"] <= r["started"] < window["to"] and r["ttft_s"] is not None]
-    return {"seconds": round(window["to"] - window["from"], 1), "turns": len(inside),
-            "ttft_median_s": round(statistics.median(inside), 3) if inside else None,
-            "ttft_max_s": round(max(inside), 3) if inside else None}
+    inside = [r for r in rows if window["from"] <= r["started"] < window["to"] and r["ttft_s"] is not None]
+
+    def times(some: list[dict]) -> dict:
+        ttfts = [r["ttft_s"] for r in some]
+        return {"turns": len(ttfts), "ttft_median_s": round(statistics.median(ttfts), 3) if ttfts else None,
+                "ttft_max_s": round(max(ttfts), 3) if ttfts else None}
+
+    later = [r for r in inside if r["turn"] >= 1]
+    held = [r for r in later if r["cached_tokens"] >= r["prompt_tokens"] / 2]
+    return {"seconds": round(window["to"] - window["from"], 1), **times(inside),
+            "held": times(held), "read_again": times([r for r in later if r not in held])}
 
 
 def main(argv=None) -> int:
@@ -163,11 +175,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     system = system_prompt(args.system_tokens)
     results = {}
-    modes = {**MODES, **({PAUSED: MODES["routing"]} if args.pause_s else {})}
+    modes = {**MODES, **({label: MODES[mode] for label, mode in PAUSED.items()} if args.pause_s else {})}
     for label, env in modes.items():
         env = {**env, **({"KV_MEMORY": str(args.kv_memory)} if args.kv_memory else {})}
         results[label] = run_mode(env, label, args.players, args.turns, system,
-                                  args.pause_s if label == PAUSED else 0, args.model)
+                                  args.pause_s if label in PAUSED else 0, args.model)
         print(f"{label}: done in {results[label]['seconds']} s", file=sys.stderr)
     on, off = results["routing"], results["no routing"]
     summary = {"ttft_ratio": ratio(on["ttft_from_turn_3_median_s"], off["ttft_from_turn_3_median_s"]),
@@ -181,16 +193,8 @@ def main(argv=None) -> int:
     print(f"| prompt tokens found cached, turns 3+ | {on['cached_share_from_turn_3']:.0%} | "
           f"{off['cached_share_from_turn_3']:.0%} | | |")
     print(f"| errors | {on['errors']} | {off['errors']} | | |")
-    if PAUSED in results:
-        paused = results[PAUSED]
-        print(f"\n{PAUSED} ({paused['paused']['seconds']} s): {paused['paused']['turns']} turns begun in the "
-              f"pause, time to first token median {paused['paused']['ttft_median_s']} s, at most "
-              f"{paused['paused']['ttft_max_s']} s (the whole run's median from turn 3: "
-              f"{paused['ttft_from_turn_3_median_s']} s); offered jobs taken over: "
-              f"{paused['offers']['offered_taken_over']:.0f}, their wait before it (bucket bounds, s): "
-              f"{paused['offers']['taken_over_wait_s']}, while its own worker's took "
-              f"{paused['offers']['own_wait_s']}; put back after the stopped worker's heartbeat "
-              f"expired: {paused['offers']['requeued']:.0f}; errors {paused['errors']}")
+    if args.pause_s:
+        print_paused([results[label] for label in PAUSED])
     offers = on["offers"]
     print(f"\nrouting: {offers['offered_own']:.0f} offered jobs taken by their own worker, "
           f"{offers['offered_taken_over']:.0f} by the other; their wait (bucket bounds, s): own "
@@ -202,7 +206,7 @@ def main(argv=None) -> int:
                                           "args": vars(args), "summary": summary, "modes": results}, indent=1)
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4))
-    for label, color in (("routing", "#2a7"), ("no routing", "#999"), (PAUSED, "#d62")):
+    for label, color in (("routing", "#2a7"), ("no routing", "#999"), *zip(PAUSED, ("#d62", "#c9a"))):
         if label not in results:
             continue
         by_turn = results[label]["ttft_median_by_turn_s"]
@@ -215,6 +219,28 @@ def main(argv=None) -> int:
     save_figure(fig, out.with_suffix(".png"), dpi=110)
     print(f"\nwrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
     return 0
+
+
+def print_paused(modes: list[dict]) -> None:
+    """Routing and no routing with a worker paused, side by side: the turns begun in the pause."""
+    spans = [m["paused"] for m in modes]
+    times = lambda t: f"{t['turns']}: {t['ttft_median_s']} / {t['ttft_max_s']}"  # noqa: E731
+    print(f"\n| a worker paused {spans[0]['seconds']} s: turns begun in the pause | routing | no routing |"
+          "\n|---|---:|---:|")
+    for name, cells in (
+            ("turns", [p["turns"] for p in spans]),
+            ("time to first token, median / max s", [f"{p['ttft_median_s']} / {p['ttft_max_s']}" for p in spans]),
+            ("from turn 2, the history held (the running worker's): turns: median / max s",
+             [times(p["held"]) for p in spans]),
+            ("from turn 2, read again (the paused worker's): turns: median / max s",
+             [times(p["read_again"]) for p in spans]),
+            ("jobs put back after the paused worker's heartbeat expired",
+             [f"{m['offers']['requeued']:.0f}" for m in modes]),
+            ("errors", [m["errors"] for m in modes])):
+        print(f"| {name} | {cells[0]} | {cells[1]} |")
+    offers = modes[0]["offers"]
+    print(f"\nrouting, paused: {offers['offered_taken_over']:.0f} offered jobs taken over, their wait before it "
+          f"(bucket bounds, s) {offers['taken_over_wait_s']}; the own worker's {offers['own_wait_s']}")
 
 
 def _r(value):

@@ -7,7 +7,8 @@ too). llama-server is the native build of bench.llama_cpp with 2 threads and 64 
 room for a prompt and its answer; Storyteller is a private stack (bench.stack) of one continuous
 worker with its default settings. One machine, one run, one after the other: machines are noisy,
 so compare the ratio, not numbers from different runs. Each crowd also records both servers'
-resident memory (the worker's own report in its heartbeat; llama-server's /proc VmRSS).
+resident memory (the worker's own report in its heartbeat; llama-server's /proc VmRSS), and a lone
+player's crowd its share of the memory-bandwidth bound measured just before it (bench.bandwidth).
 
     python -m bench.vs_llama_server --shape smollm2-1.7b
     python -m bench.vs_llama_server --model-file my.Q4_K_M.gguf --players 1 16 --only llama
@@ -27,7 +28,7 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
-from bench import llama_cpp
+from bench import bandwidth, llama_cpp
 from bench.client import get_first_model
 from bench.load import run_crowd
 from bench.report import cell, format_row, plot_crowds, write_json
@@ -113,20 +114,29 @@ def warm_up(url: str, model: str, players: int, tokens: int) -> None:
 
 def crowds(label: str, url: str, model: str, args, rss) -> dict:
     """The crowds of args.players against one server, a row each, printed as they finish; `rss()`
-    the server's resident memory, read after each crowd."""
+    the server's resident memory, read after each crowd. A lone player's crowd comes with the
+    bound measured just before it, the server idle (bench.bandwidth): bandwidth varies by the
+    hour on a shared machine, so the bound and the speed held against it come from the same minute."""
     run = {"label": label, "url": url, "model": model, "tokens": args.tokens, "requests": args.requests,
            "ignore_eos": True, "rows": []}
     warm_up(url, model, max(args.players), args.tokens)
     print(f"# {label}: {args.requests} requests x {args.tokens} tokens per player")
     print(format_row(None) + f"  {'RSS MiB':>9}", flush=True)
     for players in args.players:
+        lone = bandwidth.bound(str(args.path), THREADS) if players == 1 else None
         row = run_crowd(url, model, players, args.requests, args.tokens)
+        if lone:
+            row["bound"] = {**lone, "share": round(row["tokens_per_s"] / lone["bound_tokens_per_s"], 3)}
         row["rss_mb"] = rss()
         # The machine's load as the crowd ends: anything else on these 2 cores (a build) slows
         # both servers' thread pools 10x and more (measured here), and this shows when it ran.
         row["load_1min"] = round(os.getloadavg()[0], 2)
         run["rows"].append(row)
         print(format_row(row) + f"  {cell(row['rss_mb'], 'd'):>9}", flush=True)
+        if lone:
+            print(f"  the bound just before: {lone['bandwidth_gb_s']} GB/s over {lone['bytes_per_token'] / 1e9:.3f} "
+                  f"GB a token, {lone['bound_tokens_per_s']} tokens/s; this player wrote "
+                  f"{row['bound']['share']:.0%} of it", flush=True)
     return run
 
 
@@ -157,18 +167,22 @@ def side_by_side(runs: list[dict]) -> list[dict]:
                      "storyteller_tokens_per_s": b.get("tokens_per_s"),
                      "ratio": None if (r := ratio(b.get("tokens_per_s"), a.get("tokens_per_s"))) is None
                      else round(r, 3),
+                     "llama_of_bound": (a.get("bound") or {}).get("share"),
+                     "storyteller_of_bound": (b.get("bound") or {}).get("share"),
                      "llama_rss_mb": a.get("rss_mb"), "storyteller_rss_mb": b.get("rss_mb"),
                      "errors": a.get("errors", 0) + b.get("errors", 0)})
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
-    header = ("players", "llama tok/s", "storyteller tok/s", "ratio", "llama RSS MiB", "worker RSS MiB")
+    header = ("players", "llama tok/s", "storyteller tok/s", "ratio", "llama of bound", "ours of bound",
+              "llama RSS MiB", "worker RSS MiB")
+    share = lambda s: "-" if s is None else f"{s:.0%}"  # noqa: E731
     print("\n" + "  ".join(f"{h:>17}" for h in header))
     for r in rows:
         cells = (r["players"], cell(r["llama_tokens_per_s"], ".1f"), cell(r["storyteller_tokens_per_s"], ".1f"),
-                 "-" if r["ratio"] is None else f"{r['ratio']:.2f}x", cell(r["llama_rss_mb"], "d"),
-                 cell(r["storyteller_rss_mb"], "d"))
+                 "-" if r["ratio"] is None else f"{r['ratio']:.2f}x", share(r["llama_of_bound"]),
+                 share(r["storyteller_of_bound"]), cell(r["llama_rss_mb"], "d"), cell(r["storyteller_rss_mb"], "d"))
         print("  ".join(f"{c:>17}" for c in cells))
 
 
@@ -192,7 +206,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if max(args.players) > SLOTS:
         ap.error(f"--players: at most {SLOTS} (llama-server's slots)")
-    path = (args.model_file or llama_cpp.model_file(args.shape)).resolve()
+    path = args.path = (args.model_file or llama_cpp.model_file(args.shape)).resolve()
     out = args.out or f"docs/results/vs-llama-server-{path.stem}"
     print(f"file: {path}", flush=True)
 
