@@ -10,6 +10,7 @@ import time
 from collections import Counter
 from dataclasses import replace
 
+import fakeredis
 import pytest
 import redis
 from prometheus_client import CollectorRegistry, generate_latest
@@ -25,6 +26,7 @@ from tests.engines import make_engine
 from tests.fake_workers import MODEL as FAKE_MODEL, next_job, register_worker
 from tests.processes import free_port
 from tests.prometheus_text import grew, has, parse, value
+from worker.job_queue import JobQueue
 from worker.metrics import EngineCollector, WorkerMetrics
 from worker.static_engine import StaticEngine
 
@@ -246,12 +248,12 @@ def test_worker_histograms_observe_queue_wait_per_token_time_and_batches():
 
 
 def test_the_offer_wait_counts_offered_jobs_by_who_took_them():
-    observed = WorkerMetrics("offers", worker_id="w1")
+    observed, queue = WorkerMetrics("offers"), JobQueue(fakeredis.FakeRedis(), "w1", "offers")
     own, other, shared, put_back = (replace(job, offer=offer) for job, offer
                                     in zip(_shared_prefix_jobs(4), ("w1", "w2", "", "w2")))
-    for job in (own, other, shared):
-        observed.taken(job, redis_now=time.time())
-    observed.taken(put_back, redis_now=time.time(), retried=True)
+    queue.retried.add(put_back.id)  # as the take names a job a dead worker held
+    for job in (own, other, shared, put_back):
+        observed.taken(job, redis_now=time.time(), offer=queue.offer_taken_by(job))
     samples = parse(generate_latest().decode())
     assert value(samples, names.QUEUE_WAIT + "_count", model="offers") == 4
     # its own offer and w2's, apart; the job offered to no one, and the one w2 died holding, in neither

@@ -379,7 +379,7 @@ class JobQueue:
         self._wake = keys.wake(model)
         self._own_wake = keys.worker_wake(model, worker_id)
         self.offer_lapses_s: Optional[float] = None  # when the last take passed over an offer to another worker
-        self.offers: Counter[str] = Counter()  # offered jobs taken: "own" (offered here), "taken over"
+        self.offers: Counter[str] = Counter()  # offered jobs taken, by offer_taken_by: "own", "other"
         self._processing = keys.processing(model, worker_id)
         # Sharded pub/sub in a cluster: the message goes to the channel's slot's primary only
         # (api/broker.py says why); one server has no shards, and PUBLISH is what every Redis has.
@@ -439,9 +439,18 @@ class JobQueue:
             taken += self._take_now(limit - len(taken), alone_ok=False)
         jobs = [job for job in (self._parse(raw, record) for raw, record in taken) if job is not None]
         for job in jobs:
-            if job.offer and job.id not in self.retried:  # routed here, or its offer elsewhere lapsed
-                self.offers["own" if job.offer == self.worker_id else "taken over"] += 1
+            taken_by = self.offer_taken_by(job)
+            if taken_by:
+                self.offers[taken_by] += 1
         return jobs
+
+    def offer_taken_by(self, job: Job) -> Optional[str]:
+        """For a job this worker took: "own" if it was offered here, "other" if it was offered to
+        another worker and taken once the offer lapsed; None if it was offered to no one, or a dead
+        worker held it (put back: its wait was that worker's hold, not its offer's)."""
+        if not job.offer or job.id in self.retried:
+            return None
+        return "own" if job.offer == self.worker_id else "other"
 
     def _take_now(self, limit: int, alone_ok: bool) -> list[tuple[bytes, bytes]]:
         """(job JSON, its record of written tokens) for each job taken."""

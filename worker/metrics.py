@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter as Tally
+from typing import Optional
 
 from prometheus_client import REGISTRY, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -51,23 +52,22 @@ RESUMED_TOKENS = Counter(names.RESUMED_TOKENS, "Tokens of requeued jobs taken fr
 class WorkerMetrics:
     """What the worker loop reports as it goes: a job taken, a step run, jobs finished."""
 
-    def __init__(self, model: str, worker_id: str = ""):
+    def __init__(self, model: str):
         # Bound once: a step costs one histogram observation, not a label lookup too.
-        self.worker_id = worker_id
         self._wait = QUEUE_WAIT.labels(model)
         self._offer_wait = {by: OFFER_WAIT.labels(model, by) for by in ("own", "other")}
         self._per_token = TIME_PER_OUTPUT_TOKEN.labels(model)
         self._batch = BATCH_SIZE.labels(model)
         self._resumed = RESUMED_TOKENS.labels(model)  # bound now: exported at 0 before any resume
 
-    def taken(self, job: Job, redis_now: float, retried: bool = False) -> None:
+    def taken(self, job: Job, redis_now: float, offer: Optional[str] = None) -> None:
         """`redis_now`: Redis' time at its taking, the clock its enqueued_at was read from.
-        `retried`: a dead worker held it, so its wait was that worker's, not its offer's."""
+        `offer`: whose offer it was (JobQueue.offer_taken_by: "own", "other"; None: not an offer's wait)."""
         waited = clock.queue_wait(job.enqueued_at, redis_now)
         if waited is not None:
             self._wait.observe(waited)
-            if job.offer and not retried:
-                self._offer_wait["own" if job.offer == self.worker_id else "other"].observe(waited)
+            if offer:
+                self._offer_wait[offer].observe(waited)
 
     def resumed(self, tokens: int) -> None:
         self._resumed.inc(tokens)
@@ -102,7 +102,7 @@ class EngineCollector:
         self.model, self.engine = model, engine
         # By model: JobQueue's tallies.
         self.requeued, self.crashed, self.left = requeued, crashed, Tally() if left is None else left
-        self.offers = Tally() if offers is None else offers  # JobQueue.offers: "own", "taken over"
+        self.offers = Tally() if offers is None else offers  # JobQueue.offers: "own", "other"
 
     def collect(self):
         stats = self.engine.stats()
@@ -125,8 +125,8 @@ class EngineCollector:
         family = CounterMetricFamily(names.OFFERED_JOBS, "Jobs offered to the worker holding their conversation, "
                                      "taken by it (own) or by this one once the offer lapsed (other)",
                                      labels=["model", "taken_by"])
-        for taken_by, key in (("own", "own"), ("other", "taken over")):
-            family.add_metric([self.model, taken_by], self.offers[key])
+        for taken_by in ("own", "other"):
+            family.add_metric([self.model, taken_by], self.offers[taken_by])
         yield family
 
 

@@ -51,7 +51,7 @@ class Worker:
         self.grammars = grammars
         self.info = info
         self.settings = settings
-        self.metrics = WorkerMetrics(info.model, info.id)
+        self.metrics = WorkerMetrics(info.model)
         # Set by SIGTERM: finish what we hold, and take no more while another worker of the model
         # takes jobs (the last ones to stop empty the queue: _admit).
         self.stopping = threading.Event()
@@ -197,9 +197,9 @@ class Worker:
         complete = []
         for job in taken:
             written = self.queue.written.pop(job.id, None)
-            retried = job.id in self.queue.retried
+            taken_by = self.queue.offer_taken_by(job)
             self.queue.retried.discard(job.id)
-            self.metrics.taken(job, now, retried)
+            self.metrics.taken(job, now, taken_by)
             if clock.expired(job.enqueued_at, job.timeout_s, now):  # nobody is waiting for it any more
                 self.queue.fail([job.id], "the request's deadline passed before it was decoded", "timeout")
                 continue
