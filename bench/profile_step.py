@@ -10,8 +10,9 @@ Where the whole step is one C++ call (the decoder), the operator table says litt
 is also split by timing its parts alone on the same shapes: the layers' products (a pass over
 every Linear of the model on `batch` rows), the head, the sampler (a row of the vocabulary per request), and the
 rest (attention, norms, rotary, the engine's Python) as what the step takes beyond them. On a CPU
-with AMX tiles, the K-quant products of many rows take them (the same bits); each timed step and
-the products are then also timed with the tiles off, in turn, and the table says both.
+with AMX tiles, the K-quant products of many rows take them (the same bits), and a product's
+threads with no piece left fetch the next product's first bytes (the same bits); each timed step
+and the products are then also timed with each of these off, in turn, and the table says both.
 
     python -m bench.profile_step --model path/to/model.Q4_K_M.gguf --batches 1 64 --threads 2 --out docs/results/profile-big
 """
@@ -33,6 +34,8 @@ from worker.continuous import engine as continuous
 from worker.model_loader import load
 
 
+# The kernels' switches a step is also timed without (their module's function: on/off, or the state).
+SWITCHES = {"AMX tiles": "kquant_tiles", "fetch ahead": "fetch_ahead"}
 # Steps an engine takes after it is filled and timed: the profiled ones.
 PROFILED_STEPS = 3
 
@@ -43,7 +46,8 @@ def filled_engine(loaded, settings: Settings, batch: int, context: int, steps: i
     fewer of a large model's requests (in float32 half as many as in bf16), and a step would then
     compute fewer rows than it is said to."""
     prompt = loaded.tokenizer.encode("Write a short story about a dragon, a gate and a skeleton.\n")
-    max_tokens = context + 2 * steps + PROFILED_STEPS + 2  # none finishes before the profile does (2: the A/B's)
+    # None finishes before the profile does: a step per timed turn and one per switch turned off.
+    max_tokens = context + (1 + len(SWITCHES)) * steps + PROFILED_STEPS + 2
     tokens = len(prompt) + 1 + max_tokens
     blocks = batch * -(-tokens // settings.block_size) + batch // 16 + 2  # and the 1% admission margin
     engine = continuous.build(loaded, replace(settings, kv_blocks=blocks), loaded.weights(), loaded.config)
@@ -62,11 +66,13 @@ def profile_batch(loaded, settings: Settings, batch: int, steps: int, context: i
     for call in parts.values():
         call()  # warm: the first call allocates
     # Each step, then each part once, in turn: a slow minute of a shared machine slows them alike.
-    # Where the K-quant products may take AMX tiles (the same bits), a step and the products are
-    # also timed with the tiles off, in the same turns: the A/B as a ratio from one run.
-    tiles = getattr(engine.runner.kernel, "kquant_tiles", None)
-    ab = tiles is not None and tiles()
-    times, part_times, without = [], {name: [] for name in parts}, {"step": [], "products": []}
+    # The kernels' switches that change no bits (AMX tiles where the CPU has them, fetching the
+    # next product ahead): a step and the products are also timed with each off, in the same
+    # turns, so each A/B is a ratio from one run.
+    switches = {name: getattr(engine.runner.kernel, attr, None) for name, attr in SWITCHES.items()}
+    switches = {name: turn for name, turn in switches.items() if turn is not None and turn()}
+    times, part_times = [], {name: [] for name in parts}
+    without = {name: {"step": [], "products": []} for name in switches}
 
     def timed(call) -> float:
         start = time.perf_counter()
@@ -79,11 +85,13 @@ def profile_batch(loaded, settings: Settings, batch: int, steps: int, context: i
             raise RuntimeError(f"a timed step computed {engine.last_batch} rows, not {batch}")
         for name, call in parts.items():
             part_times[name].append(timed(call))
-        if ab:
-            tiles(False)
-            without["step"].append(timed(engine.step))
-            without["products"].append(timed(parts["products"]))
-            tiles(True)
+        for name, turn in switches.items():
+            turn(False)
+            try:
+                without[name]["step"].append(timed(engine.step))
+                without[name]["products"].append(timed(parts["products"]))
+            finally:
+                turn(True)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(PROFILED_STEPS):
             engine.step()
@@ -92,9 +100,10 @@ def profile_batch(loaded, settings: Settings, batch: int, steps: int, context: i
     step_ms = statistics.median(times) * 1000
     parts = {f"{name}_ms": statistics.median(t) * 1000 for name, t in part_times.items()}
     parts["rest_ms"] = step_ms - sum(parts.values())
-    tiles_off = {f"{name}_ms": statistics.median(t) * 1000 for name, t in without.items()} if ab else None
+    switched_off = {switch: {f"{name}_ms": statistics.median(t) * 1000 for name, t in timed_parts.items()}
+                    for switch, timed_parts in without.items()}
     return {"batch": batch, "step_ms": step_ms, "tokens_per_s": batch / step_ms * 1000, "numerics": engine.numerics,
-            "parts": parts, "amx_tiles": bool(ab), "without_tiles": tiles_off,
+            "parts": parts, "switched_off": switched_off,
             "ops": [{"name": e.key, "share": e.self_cpu_time_total / total,
                      "ms_per_step": e.self_cpu_time_total / (1000 * PROFILED_STEPS),
                      "calls_per_step": e.count / PROFILED_STEPS}
@@ -149,9 +158,8 @@ def main(argv=None) -> None:
         print(f"\nbatch {batch}: {r['step_ms']:.1f} ms per step, {r['tokens_per_s']:.0f} tokens/s "
               f"({torch.get_num_threads()} threads, {r['numerics']})")
         print("  " + ", ".join(f"{name.removesuffix('_ms')} {ms:.1f} ms" for name, ms in r["parts"].items()))
-        if r["without_tiles"]:
-            off = r["without_tiles"]
-            print(f"  AMX tiles off: step {off['step_ms']:.1f} ms ({off['step_ms'] / r['step_ms']:.2f}x the time with them), "
+        for switch, off in r["switched_off"].items():
+            print(f"  {switch} off: step {off['step_ms']:.1f} ms ({off['step_ms'] / r['step_ms']:.2f}x the time with it), "
                   f"products {off['products_ms']:.1f} ms ({off['products_ms'] / r['parts']['products_ms']:.2f}x)")
         print(f"  {'operator':<36} {'share':>6} {'ms/step':>8} {'calls':>6}")
         for op in r["ops"]:

@@ -190,3 +190,25 @@ def test_a_stack_of_types_is_its_parts_side_by_side(tensors, kernel):
     expected = torch.cat([p(x) for p in parts], dim=1)
     assert torch.equal(layer(x), expected)
     assert torch.equal(layer.for_kernel()(x), expected)
+
+
+def test_fetching_the_next_product_ahead_changes_no_bits(tensors, kernel):
+    """A product's threads with no piece left fetch the next product's first bytes (rowwise.h's
+    upcoming hint, set by a stack for its next part and by the decoder for its next layer): a
+    prefetch only, so a stack of K-quant parts writes the same bits with it on and off, at a lone
+    decode's row and at a chunk's many."""
+    parts = [tensors["Q4_K"], tensors["Q6_K"], tensors["Q4_K"]]
+    cols = parts[0].shape[1]
+    assert all(p.shape[1] == cols for p in parts), [p.shape for p in parts]
+    layer = Linear(fuse(parts), None, torch.bfloat16, torch.device("cpu"), EVERY_STEP, kernel).for_kernel()
+    g = torch.Generator().manual_seed(6)
+    assert kernel.fetch_ahead(), "fetching ahead is on by default"
+    try:
+        for rows in (1, 7, 64):
+            x = torch.randn(rows, cols, generator=g).bfloat16()
+            ahead = layer(x)
+            assert kernel.fetch_ahead(False) is False
+            assert torch.equal(ahead, layer(x)), rows
+            assert kernel.fetch_ahead(True)
+    finally:
+        kernel.fetch_ahead(True)

@@ -107,10 +107,24 @@ struct Linear {
                 "Linear: the small steps' scales are missing");
   }
 
+  // The weight bytes a product of `rows` rows reads first and how many there are, where its kernel
+  // reads them as stored (the K-quant panels; nullptr elsewhere): rowwise.h's upcoming hint.
+  std::pair<const uint8_t*, int64_t> first_bytes(int64_t rows) const {
+    if (!parts.empty()) return parts.front().first_bytes(rows);
+    if (rows > small_rows || (path != Path::kquants_vnni && path != Path::kquants_avx2)) return {nullptr, 0};
+    return {a->data_ptr<uint8_t>(), a->numel()};
+  }
+
   torch::Tensor operator()(const torch::Tensor& x) const {
-    if (!parts.empty()) {
+    if (!parts.empty()) {  // each part's threads fetch the next part's bytes, the last part's what follows
+      const Upcoming& u = upcoming();
+      const auto after = std::make_pair(u.at.load(), u.bytes.load());
       std::vector<torch::Tensor> outs;
-      for (const Linear& part : parts) outs.push_back(part(x));
+      for (size_t i = 0; i < parts.size(); ++i) {
+        const auto next = i + 1 < parts.size() ? parts[i + 1].first_bytes(x.size(0)) : after;
+        expect(next.first, next.second);
+        outs.push_back(parts[i](x));
+      }
       return at::cat(outs, 1);
     }
     if (x.size(0) <= small_rows) switch (path) {
