@@ -150,21 +150,26 @@ def test_the_avx2_build_writes_the_native_builds_bits(tensors):
 
 
 def test_the_amx_tiles_write_the_vnni_kernels_bits(tensors):
-    """A step of 33 rows or more takes AMX tiles where the CPU and Linux have them (kquants_amx.h):
-    the same integer sums and float operations, so the same bits as the VNNI kernel, at every size
-    and for every type (Q6_K keeps the VNNI kernel). Where there are no tiles, the switch stays off."""
+    """A step of 32 rows or more whose rows fill the 16-row tiles to within a sixteenth takes AMX
+    tiles where the CPU and Linux have them (kquants_amx.h), and a step they would pad more keeps
+    the VNNI kernel: the same integer sums and float operations, so the same bits as the VNNI
+    kernel, at every size and for every type (Q6_K keeps the VNNI kernel). Where there are no
+    tiles, the switch stays off."""
     native = kernels.build(os.path.join(os.path.expanduser(Settings().cache_dir), "kernels"))
     if "amx_int8" not in kernels.cpu_flags().split():
         assert native.kquant_tiles(True) is False  # nothing to turn on: every step on the VNNI kernel
         return
     assert native.kquant_tiles(), "this CPU lists AMX, and the kernels did not take the tiles"
+    sizes = (32, 47, 48, 64, 257, 300)
+    assert all(native.kquant_tiles(rows=size) for size in sizes)
+    assert not any(native.kquant_tiles(rows=size) for size in (1, 16, 31, 33, 44, 56, 72, 100))
     g = torch.Generator().manual_seed(5)
     try:
         for kind in TYPES:
             w = tensors[kind]
             packed = w.panel_packed()
             x = torch.randn(300, w.shape[1], generator=g).bfloat16()
-            for size in (33, 47, 64, 100, 257, 300):
+            for size in sizes:
                 assert native.kquant_tiles(True)
                 tiles = native.kquant_linear(x[:size], packed, w.code)
                 native.kquant_tiles(False)

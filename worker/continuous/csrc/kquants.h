@@ -415,8 +415,8 @@ namespace storyteller {
 namespace kquants {
 
 #ifdef STORYTELLER_KQUANTS_AMX
-// A step of AMX_ROWS rows or more on the tiles (kquants_amx.h): each panel made ready once, as the
-// VNNI kernel does at these sizes, then met 16 rows at a time.
+// A step the tiles pay for (kquants_amx.h's tiles_pay) on them: each panel made ready once, as the
+// VNNI kernel does beyond DIRECT_ROWS, then met 16 rows at a time.
 template <int T, typename X>
 static void tile_linear(const Activations& a, const uint8_t* w, X* y, int64_t N) {
   thread_local aligned_vector<int8_t> arranged;
@@ -454,7 +454,7 @@ static void linear(const X* x, int64_t rows, int64_t K, const uint8_t* w, X* y, 
   a.fill(x, rows, K);
 #ifdef STORYTELLER_KQUANTS_AMX
   if constexpr (!Format<T>::halves)
-    if (rows >= AMX_ROWS && tiles().enabled) return tile_linear<T>(a, w, y, N);
+    if (tiles_pay(rows) && tiles().enabled) return tile_linear<T>(a, w, y, N);
 #endif
   const int64_t panel_bytes = Format<T>::bytes(a.G), panels = N / LANES;
   static constexpr auto by_rows = row_tiles<T>(std::make_index_sequence<ROWS>());
@@ -597,13 +597,14 @@ static torch::Tensor kquant_rows(const torch::Tensor& w, int64_t type, int64_t K
 }
 
 // Whether a K-quant step of many rows takes the AMX tiles (kquants_amx.h), after turning them on
-// or off if `enable` is given (on only where this CPU and process have them). The bits are the
-// same either way: the switch is for tests and A/B benchmarks.
-static bool kquant_tiles(c10::optional<bool> enable) {
+// or off if `enable` is given (on only where this CPU and process have them); given `rows`, whether
+// a step of that many rows takes them now. The bits are the same either way: the switch is for
+// tests and A/B benchmarks.
+static bool kquant_tiles(c10::optional<bool> enable, c10::optional<int64_t> rows) {
 #ifdef STORYTELLER_KQUANTS_AMX
   auto& tiles = kquants::tiles();
   if (enable) tiles.enabled = *enable && kquants::Tiles::available();
-  return tiles.enabled;
+  return tiles.enabled && (!rows || kquants::tiles_pay(*rows));
 #else
   return false;
 #endif
