@@ -284,7 +284,6 @@ class Decoder {
       else expect(nullptr, 0);
       x.add_(post_norm(layer.down(act), layer.post_ffn_norm));
     }
-    expect(nullptr, 0);
   }
 
   // The product after the one about to run, for its threads to fetch ahead (rowwise.h's upcoming).
