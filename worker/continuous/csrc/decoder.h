@@ -254,7 +254,7 @@ class Decoder {
       C* v_layer = v_cache.data_ptr<C>() + l * layer_size;
 
       rms_norm(x.data_ptr<T>(), layer.norm1.data_ptr<T>(), normed.data_ptr<T>(), rows, hidden, eps_);
-      expect_next(layer.o, rows);
+      layer.o.comes_next(rows);
       torch::Tensor qkv = layer.qkv(normed).contiguous();
       const int64_t cols = qkv.size(1), rot = cos.size(1);
       const T *bias = data_or_null<T>(layer.qkv_bias), *q_norm = data_or_null<T>(layer.q_norm),
@@ -268,11 +268,11 @@ class Decoder {
       decode_for<T, C>(dim_)(qkv.data_ptr<T>(), cols, k_layer, v_layer, tables.data_ptr<int64_t>(),
                           lengths.data_ptr<int64_t>(), attn.data_ptr<T>(), rows, heads_, kv_heads_, blocks, block_size,
                           dim_, tables.size(1), scale, layer.window);
-      expect_next(layer.gate_up, rows);
+      layer.gate_up.comes_next(rows);
       x.add_(post_norm(layer.o(attn), layer.post_attn_norm));
 
       rms_norm(x.data_ptr<T>(), layer.norm2.data_ptr<T>(), normed.data_ptr<T>(), rows, hidden, eps_);
-      expect_next(layer.down, rows);
+      layer.down.comes_next(rows);
       torch::Tensor gate_up = layer.gate_up(normed).contiguous();
       const int64_t inner = gate_up.size(1) / 2;
       auto act = torch::empty({rows, inner}, x.options());
@@ -280,16 +280,10 @@ class Decoder {
         gated(gate_up.data_ptr<T>(), act.data_ptr<T>(), rows, inner, silu_mul_row<T>);
       else
         gated(gate_up.data_ptr<T>(), act.data_ptr<T>(), rows, inner, gelu_tanh_mul_row<T>);
-      if (l + 1 < layers_.size()) expect_next(layers_[l + 1].qkv, rows);
+      if (l + 1 < layers_.size()) layers_[l + 1].qkv.comes_next(rows);
       else expect(nullptr, 0);
       x.add_(post_norm(layer.down(act), layer.post_ffn_norm));
     }
-  }
-
-  // The product after the one about to run, for its threads to fetch ahead (rowwise.h's upcoming).
-  static void expect_next(const Linear& next, int64_t rows) {
-    const auto bytes = next.first_bytes(rows);
-    expect(bytes.first, bytes.second);
   }
 
   // A product's output normed in place where the layer has a norm after it (gemma3), as it is where not.

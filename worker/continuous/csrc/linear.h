@@ -115,14 +115,21 @@ struct Linear {
     return {a->data_ptr<uint8_t>(), a->numel()};
   }
 
+  // This product comes after the one about to run: that one's threads fetch ahead its first bytes.
+  void comes_next(int64_t rows) const {
+    const auto bytes = first_bytes(rows);
+    expect(bytes.first, bytes.second);
+  }
+
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (!parts.empty()) {  // each part's threads fetch the next part's bytes, the last part's what follows
       const Upcoming& u = upcoming();
-      const auto after = std::make_pair(u.at.load(), u.bytes.load());
+      const uint8_t* after = u.at.load();
+      const int64_t after_bytes = u.bytes.load();
       std::vector<torch::Tensor> outs;
       for (size_t i = 0; i < parts.size(); ++i) {
-        const auto next = i + 1 < parts.size() ? parts[i + 1].first_bytes(x.size(0)) : after;
-        expect(next.first, next.second);
+        if (i + 1 < parts.size()) parts[i + 1].comes_next(x.size(0));
+        else expect(after, after_bytes);
         outs.push_back(parts[i](x));
       }
       return at::cat(outs, 1);

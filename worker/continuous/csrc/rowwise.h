@@ -4,6 +4,7 @@
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Optional.h>
 
 #include <algorithm>
 #include <atomic>
@@ -59,6 +60,11 @@ inline Upcoming& upcoming() {
 inline void expect(const uint8_t* at, int64_t bytes) {
   upcoming().at.store(at, std::memory_order_relaxed);
   upcoming().bytes.store(at ? bytes : 0, std::memory_order_relaxed);
+}
+// Whether threads fetch ahead, after turning it on or off if `enable` is given (A/Bs and tests).
+inline bool fetch_ahead(c10::optional<bool> enable) {
+  if (enable) upcoming().enabled.store(*enable);
+  return upcoming().enabled.load();
 }
 constexpr int64_t UPCOMING_MAX = 2 << 20;  // bytes fetched ahead at most: a core's L2 (2 MiB on Sapphire Rapids)
 
