@@ -35,7 +35,7 @@ from worker.model_loader import load
 
 
 # The kernels' switches a step is also timed without (their module's function: on/off, or the state).
-SWITCHES = {"AMX tiles": "kquant_tiles", "fetch ahead": "fetch_ahead"}
+SWITCHES = {"AMX tiles": "kquant_tiles", "AVX2 columns": "kquant_columns", "fetch ahead": "fetch_ahead"}
 # Steps an engine takes after it is filled and timed: the profiled ones.
 PROFILED_STEPS = 3
 

@@ -178,6 +178,32 @@ def test_the_amx_tiles_write_the_vnni_kernels_bits(tensors):
         native.kquant_tiles(True)
 
 
+def test_the_avx2_columns_write_the_kernels_bits(tensors):
+    """On AVX2 a step of 8-32 rows takes the kernel of 8 rows a vector (kquants_avx2.h), its rows
+    past the last whole 8 kquants.h's tiles: the same integer sums and float operations, so the same
+    bits with it on and off, for every type. The AVX-512 build has no such kernel."""
+    cache = os.path.join(os.path.expanduser(Settings().cache_dir), "kernels")
+    avx2 = kernels.build(cache, "avx2")
+    if "avx512f" in kernels.cpu_flags().split():
+        assert kernels.build(cache).kquant_columns(True) is False
+    sizes = (8, 9, 15, 16, 17, 24, 31, 32)
+    assert avx2.kquant_columns() and all(avx2.kquant_columns(rows=size) for size in sizes)
+    assert not any(avx2.kquant_columns(rows=size) for size in (1, 4, 7, 33, 64, 512))
+    g = torch.Generator().manual_seed(7)
+    try:
+        for kind in TYPES:
+            w = tensors[kind]
+            packed = w.panel_packed()
+            x = torch.randn(32, w.shape[1], generator=g).bfloat16()
+            for size in sizes:
+                assert avx2.kquant_columns(True)
+                columns = avx2.kquant_linear(x[:size], packed, w.code)
+                avx2.kquant_columns(False)
+                assert torch.equal(columns, avx2.kquant_linear(x[:size], packed, w.code)), (kind, size)
+    finally:
+        avx2.kquant_columns(True)
+
+
 def test_a_stack_of_types_is_its_parts_side_by_side(tensors, kernel):
     """A fused projection whose parts the file stores in different types (Q4_K_M's Q5_0 queries beside
     Q8_0 values): each part on its own kernel, in Python and in the decoder's C++ Linear alike."""

@@ -411,6 +411,7 @@ static constexpr auto pair_tiles(std::index_sequence<R...>) {
 }  // namespace kquants
 }  // namespace storyteller
 #include "kquants_amx.h"
+#include "kquants_avx2.h"
 namespace storyteller {
 namespace kquants {
 
@@ -452,12 +453,15 @@ static void linear(const X* x, int64_t rows, int64_t K, const uint8_t* w, X* y, 
   thread_local Activations kept;  // the caller's thread quantizes; its buffers outlive the call
   Activations& a = kept;          // (named, so the threads below read the caller's, not their own)
   a.fill(x, rows, K);
+  static constexpr auto by_rows = row_tiles<T>(std::make_index_sequence<ROWS>());
 #ifdef STORYTELLER_KQUANTS_AMX
   if constexpr (!Format<T>::halves)
     if (tiles_pay(rows) && tiles().enabled) return tile_linear<T>(a, w, y, N);
 #endif
+#ifdef STORYTELLER_KQUANTS_COLUMNS
+  if (columns_pay(rows) && columns_enabled()) return column_linear<T>(a, w, y, N, by_rows);
+#endif
   const int64_t panel_bytes = Format<T>::bytes(a.G), panels = N / LANES;
-  static constexpr auto by_rows = row_tiles<T>(std::make_index_sequence<ROWS>());
   static constexpr auto by_pair = pair_tiles<T>(std::make_index_sequence<PAIR_ROWS>());
   static constexpr auto by_direct = pair_direct_tiles<T>(std::make_index_sequence<PAIR_ROWS>());
   auto write = [&](const float* out, int64_t r0, int64_t n, int64_t p) {
@@ -605,6 +609,19 @@ static bool kquant_tiles(c10::optional<bool> enable, c10::optional<int64_t> rows
   auto& tiles = kquants::tiles();
   if (enable) tiles.enabled = *enable && kquants::Tiles::available();
   return tiles.enabled && (!rows || kquants::tiles_pay(*rows));
+#else
+  return false;
+#endif
+}
+
+// Whether a K-quant step of many rows takes the AVX2 kernel of 8 rows a vector (kquants_avx2.h),
+// after turning it on or off if `enable` is given; given `rows`, whether a step of that many rows
+// takes it now. Same bits either way: the switch is for tests and A/B benchmarks.
+static bool kquant_columns(c10::optional<bool> enable, c10::optional<int64_t> rows) {
+#ifdef STORYTELLER_KQUANTS_COLUMNS
+  auto& on = kquants::columns_enabled();
+  if (enable) on = *enable;
+  return on && (!rows || kquants::columns_pay(*rows));
 #else
   return false;
 #endif
