@@ -26,9 +26,9 @@ namespace kquants {
 
 constexpr int64_t COLUMN_ROWS = 8;  // rows a vector
 // Whether a step of `rows` rows takes this kernel: from a block of 8 rows up to the size where
-// kquants.h stops meeting pairs of panels straight from their bytes and makes them ready once (a
-// step of more gains nothing here: on a 2-core Zen 1, the 1.7B file's products at 40 and 64 rows
-// took 0.98x and 1.02x the time of kquants.h's, Q6_K alone 0.91-0.96x; docs/serving.md).
+// kquants.h stops meeting pairs of panels straight from their bytes and makes them ready once.
+// On a 2-core Zen 1 it made the 1.7B file's products 1.09-1.11x faster at 8-15 rows and its steps
+// 1.16-1.18x at 16-32; beyond, within the noise (1.02x, Q6_K alone 0.94-0.97x; docs/serving.md).
 inline bool columns_pay(int64_t rows) { return rows >= COLUMN_ROWS && rows <= DIRECT_ROWS; }
 // Off for A/B benchmarks and the tests that compare the two kernels' bits (kquant_columns).
 static inline std::atomic<bool>& columns_enabled() {
