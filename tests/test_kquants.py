@@ -149,6 +149,24 @@ def test_the_avx2_build_writes_the_native_builds_bits(tensors):
         assert torch.equal(native.kquant_linear(x, packed, w.code), avx2.kquant_linear(x, packed, w.code)), kind
 
 
+def _same_bits_on_and_off(switch, module, tensors, sizes, seed):
+    """Each type's product at each size with a kernel `switch` (kquant_tiles, kquant_columns) on
+    equals it with the switch off; the switch is left on."""
+    g = torch.Generator().manual_seed(seed)
+    try:
+        for kind in TYPES:
+            w = tensors[kind]
+            packed = w.panel_packed()
+            x = torch.randn(max(sizes), w.shape[1], generator=g).bfloat16()
+            for size in sizes:
+                assert switch(True)
+                on = module.kquant_linear(x[:size], packed, w.code)
+                switch(False)
+                assert torch.equal(on, module.kquant_linear(x[:size], packed, w.code)), (kind, size)
+    finally:
+        switch(True)
+
+
 def test_the_amx_tiles_write_the_vnni_kernels_bits(tensors):
     """A step of 32 rows or more whose rows fill the 16-row tiles to within a sixteenth takes AMX
     tiles where the CPU and Linux have them (kquants_amx.h), and a step they would pad more keeps
@@ -163,19 +181,7 @@ def test_the_amx_tiles_write_the_vnni_kernels_bits(tensors):
     sizes = (32, 47, 48, 64, 257, 300)
     assert all(native.kquant_tiles(rows=size) for size in sizes)
     assert not any(native.kquant_tiles(rows=size) for size in (1, 16, 31, 33, 44, 56, 72, 100))
-    g = torch.Generator().manual_seed(5)
-    try:
-        for kind in TYPES:
-            w = tensors[kind]
-            packed = w.panel_packed()
-            x = torch.randn(300, w.shape[1], generator=g).bfloat16()
-            for size in sizes:
-                assert native.kquant_tiles(True)
-                tiles = native.kquant_linear(x[:size], packed, w.code)
-                native.kquant_tiles(False)
-                assert torch.equal(tiles, native.kquant_linear(x[:size], packed, w.code)), (kind, size)
-    finally:
-        native.kquant_tiles(True)
+    _same_bits_on_and_off(native.kquant_tiles, native, tensors, sizes, seed=5)
 
 
 def test_the_avx2_columns_write_the_kernels_bits(tensors):
@@ -189,19 +195,7 @@ def test_the_avx2_columns_write_the_kernels_bits(tensors):
     sizes = (8, 9, 15, 16, 17, 24, 31, 32)
     assert avx2.kquant_columns() and all(avx2.kquant_columns(rows=size) for size in sizes)
     assert not any(avx2.kquant_columns(rows=size) for size in (1, 4, 7, 33, 64, 512))
-    g = torch.Generator().manual_seed(7)
-    try:
-        for kind in TYPES:
-            w = tensors[kind]
-            packed = w.panel_packed()
-            x = torch.randn(32, w.shape[1], generator=g).bfloat16()
-            for size in sizes:
-                assert avx2.kquant_columns(True)
-                columns = avx2.kquant_linear(x[:size], packed, w.code)
-                avx2.kquant_columns(False)
-                assert torch.equal(columns, avx2.kquant_linear(x[:size], packed, w.code)), (kind, size)
-    finally:
-        avx2.kquant_columns(True)
+    _same_bits_on_and_off(avx2.kquant_columns, avx2, tensors, sizes, seed=7)
 
 
 def test_a_stack_of_types_is_its_parts_side_by_side(tensors, kernel):
