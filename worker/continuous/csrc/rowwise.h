@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cstddef>
 #include <new>
+#include <type_traits>
 #include <vector>
 
 #ifdef __AVX512F__
@@ -84,12 +85,20 @@ static inline void fetch_upcoming(const std::atomic<int64_t>& working, std::atom
 
 // Items 0..n run by `threads` threads, each taking the next item whenever it is free (an atomic
 // counter): which thread runs an item does not change its bits. A thread left with nothing to do
-// fetches the upcoming bytes while the others finish.
+// fetches the upcoming bytes while the others finish. With `ahead`, a thread claims the item it
+// runs next as it starts one, and an f that takes f(i, following) is told it (-1: none), so that it
+// can fetch that item's bytes toward its cache meanwhile (kquants.h). A claimed item waits for its
+// thread, so the threads may end up to an item further apart.
 template <typename F>
-static void take_turns(int64_t n, int64_t threads, const F& f) {
+static void take_turns(int64_t n, int64_t threads, const F& f, bool ahead = false) {
   std::atomic<int64_t> next{0}, working{threads}, fetched{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t i = next++; i < n; i = next++) f(i);
+    for (int64_t i = next++; i < n;) {
+      const int64_t following = ahead ? next++ : -1;
+      if constexpr (std::is_invocable_v<F, int64_t, int64_t>) f(i, following < n ? following : -1);
+      else f(i);
+      i = ahead ? following : next++;
+    }
     if (--working > 0) fetch_upcoming(working, fetched);
   });
 }
@@ -100,16 +109,23 @@ static void take_turns(int64_t n, int64_t threads, const F& f) {
 // fixed in advance, every step lasts as long as its slowest thread). Each index still runs on one
 // thread, with the same code whichever it is, so no bits change. A thread gets `grain` indices at
 // least, as with at::parallel_for (a parallel region costs ~10 us), and a piece a multiple of it.
+// With `ahead`, an f that takes f(begin, end, after) is also told where its thread's next piece
+// begins (-1: none; take_turns' ahead).
 constexpr int64_t PIECES_PER_THREAD = 8;
 template <typename F>
-static void in_pieces(int64_t begin, int64_t end, int64_t grain, const F& f) {
+static void in_pieces(int64_t begin, int64_t end, int64_t grain, const F& f, bool ahead = false) {
+  auto run = [&](int64_t b, int64_t e, int64_t after) {
+    if constexpr (std::is_invocable_v<F, int64_t, int64_t, int64_t>) f(b, e, after);
+    else f(b, e);
+  };
   const int64_t n = end - begin;
   if (n <= 0) return;
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), (n + grain - 1) / grain);
-  if (threads <= 1 || at::in_parallel_region()) return f(begin, end);
+  if (threads <= 1 || at::in_parallel_region()) return run(begin, end, -1);
   const int64_t per = threads * PIECES_PER_THREAD * grain, piece = grain * ((n + per - 1) / per);
-  take_turns((n + piece - 1) / piece, threads,
-             [&](int64_t i) { f(begin + i * piece, std::min(end, begin + (i + 1) * piece)); });
+  take_turns((n + piece - 1) / piece, threads, [&](int64_t i, int64_t following) {
+    run(begin + i * piece, std::min(end, begin + (i + 1) * piece), following < 0 ? -1 : begin + following * piece);
+  }, ahead);
 }
 
 #ifdef __AVX512F__
