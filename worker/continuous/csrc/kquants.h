@@ -502,7 +502,7 @@ static void linear(const X* x, int64_t rows, int64_t K, const uint8_t* w, X* y, 
     return;
   }
   const int64_t grain = std::max<int64_t>(1, MIN_WORK / (2 * LANES * K * rows));
-  const bool direct = rows <= DIRECT_ROWS, fetch = direct || FETCH_UNPACKED;
+  const bool direct = rows <= DIRECT_ROWS, fetch = (direct || FETCH_UNPACKED) && fetch_ahead(c10::nullopt);
   in_pieces(0, (panels + 1) / 2, grain, [&](int64_t begin, int64_t end, int64_t after) {
     alignas(64) float out[2][ROWS * LANES];  // ROWS >= PAIR_ROWS: the odd panel's tiles fit too
     thread_local aligned_vector<Group> ready;
