@@ -120,17 +120,22 @@ STORYTELLER_ROW static void block_values(const float* weights, const float* valu
   }
 }
 
-// Asks for the next block of the row's keys (or values) while this one is done: a row's blocks lie
-// anywhere in the pool, where the hardware's prefetcher, which follows addresses in order, cannot
-// guess them (at 64 decodes the cache's reads were most of attention's time, stalled on loads).
+// A row's block of keys or values that holds position `start`: where the cache keeps it (an offset
+// in elements, the same in the keys' and the values' caches), and its bytes in use.
 template <typename T>
-static inline void prefetch_next(const T* cache, const int64_t* table, int64_t start, int64_t longest, int64_t kv,
-                                 int64_t blocks, int64_t block_size, int64_t dim) {
-  if (start + block_size >= longest) return;
-  const char* next = reinterpret_cast<const char*>(cache + (kv * blocks + table[start / block_size + 1]) * block_size * dim);
-  const int64_t bytes = std::min(block_size, longest - start - block_size) * dim * static_cast<int64_t>(sizeof(T));
-  for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(next + at, _MM_HINT_T0);
+static inline std::pair<int64_t, int64_t> block_at(const int64_t* table, int64_t start, int64_t longest, int64_t kv,
+                                                   int64_t blocks, int64_t block_size, int64_t dim) {
+  return {(kv * blocks + table[start / block_size]) * block_size * dim,
+          std::min(block_size, longest - start) * dim * static_cast<int64_t>(sizeof(T))};
 }
+
+// The blocks a row reads next are asked for ahead (_mm_prefetch): the next one toward L1, the one
+// this far on toward L2, and a thread's next item's first ones toward L2. A row's blocks lie
+// anywhere in the pool, where the hardware's prefetcher, which follows addresses in order, cannot
+// guess them. (Until 2026-12-05 a helper asked for the next block, and GCC compiled it to nothing:
+// no prefetch instruction in attend_tile's code. The cache was read at 7-9 GB/s; these, written
+// where the loops run, read it at 15-21: docs/serving.md, "Attention's reads asked for ahead".)
+constexpr int64_t BLOCKS_AHEAD = 8;
 
 // The first position a row attends to: with a sliding window of `window` positions (0: none) the
 // row at position p = length - 1 sees p - window + 1 .. p, its own included.
@@ -170,7 +175,14 @@ static void attend_tile(const T* q, int64_t q_stride, const C* k, const C* v, co
   const int64_t first = window_start(lengths[0], window) / block_size * block_size;
   const auto blockwise = [&](const C* cache, const auto& each_row) {
     for (int64_t start = first; start < longest; start += block_size) {
-      prefetch_next(cache, table, start, longest, kv, blocks, block_size, dim);
+      if (start + block_size < longest) {  // the next block, toward L1
+        const auto [at, bytes] = block_at<C>(table, start + block_size, longest, kv, blocks, block_size, dim);
+        for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(cache + at) + line, _MM_HINT_T0);
+      }
+      if (start + BLOCKS_AHEAD * block_size < longest) {  // and one further on, toward L2
+        const auto [at, bytes] = block_at<C>(table, start + BLOCKS_AHEAD * block_size, longest, kv, blocks, block_size, dim);
+        for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(cache + at) + line, _MM_HINT_T1);
+      }
       to_float(cache + (kv * blocks + table[start / block_size]) * block_size * dim, buf.block_f.data(),
                std::min(block_size, longest - start) * dim);
       for (int64_t r = 0; r < rows; ++r) {
@@ -222,16 +234,29 @@ void decode(const T* q, int64_t q_stride, const C* k, const C* v, const int64_t*
     r += n;
   }
   // Items taken one at a time by whichever thread is free (a prompt's tile costs many decodes):
-  // which thread computes an item does not change its bits.
+  // which thread computes an item does not change its bits. Each thread claims its next item as it
+  // starts one, and asks for that item's first keys and values meanwhile (toward L2).
   const int64_t items = static_cast<int64_t>(tiles.size()) * kv_heads;
-  take_turns(items, std::min<int64_t>(items, at::get_num_threads()), [&](int64_t item) {
+  take_turns(items, std::min<int64_t>(items, at::get_num_threads()), [&](int64_t item, int64_t following) {
     thread_local DecodeBuffers buf;
+    if (following >= 0) {
+      const auto [next_row, next_n] = tiles[following / kv_heads];
+      const int64_t longest = lengths[next_row + next_n - 1], next_kv = following % kv_heads;
+      const int64_t first = window_start(lengths[next_row], window) / block_size * block_size;
+      for (int64_t start = first; start < std::min(longest, first + BLOCKS_AHEAD * block_size); start += block_size) {
+        const auto [at, bytes] = block_at<C>(tables + next_row * width, start, longest, next_kv, blocks, block_size, dim);
+        for (int64_t line = 0; line < bytes; line += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(k + at) + line, _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(v + at) + line, _MM_HINT_T1);
+        }
+      }
+    }
     const auto [row, n] = tiles[item / kv_heads];
     const int64_t kv = item % kv_heads;
     attend_tile<T, C, DIM>(q + row * q_stride + kv * group * dim, q_stride, k, v, tables + row * width, lengths + row,
                         n, out + (row * heads + kv * group) * dim, heads * dim, group, kv, blocks, block_size,
                         dim, scale, window, buf);
-  });
+  }, /*ahead=*/true);
 }
 
 // Picks the instance for the head size: 64 (SmolLM2) and 128 (most Llamas) unrolled.
