@@ -132,9 +132,10 @@ static inline std::pair<int64_t, int64_t> block_at(const int64_t* table, int64_t
 // The blocks a row reads next are asked for ahead (_mm_prefetch): the next one toward L1, the one
 // this far on toward L2, and a thread's next item's first ones toward L2. A row's blocks lie
 // anywhere in the pool, where the hardware's prefetcher, which follows addresses in order, cannot
-// guess them. (Until 2026-12-05 a helper asked for the next block, and GCC compiled it to nothing:
-// no prefetch instruction in attend_tile's code. The cache was read at 7-9 GB/s; these, written
-// where the loops run, read it at 15-21: docs/serving.md, "Attention's reads asked for ahead".)
+// guess them. (Until 2026-12-05 a helper asked for the next block, and GCC compiled its loop to
+// nothing: no prefetch instruction in attend_tile's code, the cache read at 7-9 GB/s. Written where
+// the loops run, these are kept, and read it at 15-21 GB/s: docs/serving.md, "The Zen 4 again".
+// Check with objdump after moving them.)
 constexpr int64_t BLOCKS_AHEAD = 8;
 
 // The first position a row attends to: with a sliding window of `window` positions (0: none) the
