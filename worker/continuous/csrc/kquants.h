@@ -345,9 +345,9 @@ static constexpr auto row_tiles(std::index_sequence<R...>) {
 }
 
 // A pass's share of the bytes its thread's next pair of panels will read (docs/serving.md, "The
-// next pair fetched during this one's passes"): fetched toward L2 a line or so a group, while the
-// pass computes, so that the next pair's first pass (or its unpacking) reads from cache instead of
-// waiting on memory. Only a hint: no bits change.
+// Zen 4 again"): fetched toward L2 a line or so a group, while the pass computes, so that the next
+// pair's first pass (or its unpacking) reads from cache instead of waiting on memory. Only a hint:
+// no bits change.
 struct Slice {
   const uint8_t* at = nullptr;
   int64_t lines = 0, per = 0;  // lines in all, a group

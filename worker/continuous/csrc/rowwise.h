@@ -87,8 +87,8 @@ static inline void fetch_upcoming(const std::atomic<int64_t>& working, std::atom
 // counter): which thread runs an item does not change its bits. A thread left with nothing to do
 // fetches the upcoming bytes while the others finish. With `ahead`, a thread claims the item it
 // runs next as it starts one, and an f that takes f(i, following) is told it (-1: none), so that it
-// can fetch that item's bytes toward its cache meanwhile (kquants.h). A claimed item waits for its
-// thread, so the threads may end up to an item further apart.
+// can fetch that item's bytes toward its cache meanwhile (kquants.h, attention.h). A claimed item
+// waits for its thread, so the threads may end up to an item further apart.
 template <typename F>
 static void take_turns(int64_t n, int64_t threads, const F& f, bool ahead = false) {
   std::atomic<int64_t> next{0}, working{threads}, fetched{0};
