@@ -184,8 +184,8 @@ static void attend_tile(const T* q, int64_t q_stride, const C* k, const C* v, co
         const auto [at, bytes] = block_at<C>(table, start + BLOCKS_AHEAD * block_size, longest, kv, blocks, block_size, dim);
         for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(cache + at) + line, _MM_HINT_T1);
       }
-      to_float(cache + (kv * blocks + table[start / block_size]) * block_size * dim, buf.block_f.data(),
-               std::min(block_size, longest - start) * dim);
+      const auto [at, bytes] = block_at<C>(table, start, longest, kv, blocks, block_size, dim);
+      to_float(cache + at, buf.block_f.data(), bytes / static_cast<int64_t>(sizeof(C)));
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t from = std::max(start, window_start(lengths[r], window));
         const int64_t to = std::min(start + block_size, lengths[r]);

@@ -351,7 +351,6 @@ static constexpr auto row_tiles(std::index_sequence<R...>) {
 struct Slice {
   const uint8_t* at = nullptr;
   int64_t lines = 0, per = 0;  // lines in all, a group
-  Slice() = default;
   Slice(const uint8_t* at_, int64_t lines_, int64_t G) : at(at_), lines(lines_), per((lines_ + G - 1) / G) {}
   inline void fetch(int64_t g) const {
     if (g * per < lines)
