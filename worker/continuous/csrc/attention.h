@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 
 #include "rowwise.h"
+#include "attention_avx512.h"
 
 #include <immintrin.h>
 
@@ -155,6 +156,11 @@ static void attend_tile(const T* q, int64_t q_stride, const C* k, const C* v, co
                         int64_t kv, int64_t blocks, int64_t block_size, int64_t dim_at_run_time, float scale,
                         int64_t window, DecodeBuffers& buf) {
   const int64_t dim = DIM > 0 ? DIM : dim_at_run_time, width = group * dim;
+#ifdef STORYTELLER_ATTENTION_AVX512
+  constexpr bool VECTOR = DIM > 0 && DIM % 32 == 0 && !std::is_same_v<C, double>;  // attention_avx512.h's steps
+#else
+  constexpr bool VECTOR = false;
+#endif
   // A row's scores: group x stride floats, the stride a whole number of 64-byte lines, so that every
   // row's scores start on one (rowwise.h: where a buffer starts can change a vectorised sum).
   const int64_t longest = lengths[rows - 1];
@@ -185,24 +191,33 @@ static void attend_tile(const T* q, int64_t q_stride, const C* k, const C* v, co
         for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(cache + at) + line, _MM_HINT_T1);
       }
       const auto [at, bytes] = block_at<C>(table, start, longest, kv, blocks, block_size, dim);
-      to_float(cache + at, buf.block_f.data(), bytes / static_cast<int64_t>(sizeof(C)));
+      const auto block = [&] {  // the vector steps read the cache's own elements; the others, floats
+        if constexpr (VECTOR) return cache + at;
+        else return to_float(cache + at, buf.block_f.data(), bytes / static_cast<int64_t>(sizeof(C))), buf.block_f.data();
+      }();
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t from = std::max(start, window_start(lengths[r], window));
         const int64_t to = std::min(start + block_size, lengths[r]);
-        if (from < to) each_row(r, from, to - from);
+        if (from < to) each_row(r, block + (from % block_size) * dim, from, to - from);
       }
     }
   };
   const auto scores_of = [&](int64_t r) { return buf.scores.data() + r * group * stride; };
-  blockwise(k, [&](int64_t r, int64_t from, int64_t n) {
-    block_scores<DIM>(buf.query.data() + r * width, buf.block_f.data() + (from % block_size) * dim, n, group, dim,
-                      scores_of(r) + from - window_start(lengths[r], window), stride);
+  blockwise(k, [&](int64_t r, const auto* keys, int64_t from, int64_t n) {
+    float* scores = scores_of(r) + from - window_start(lengths[r], window);
+#ifdef STORYTELLER_ATTENTION_AVX512
+    if constexpr (VECTOR) attention_avx512::block_scores<C, DIM>(buf.query.data() + r * width, keys, n, group, scores, stride);
+#endif
+    if constexpr (!VECTOR) block_scores<DIM>(buf.query.data() + r * width, keys, n, group, dim, scores, stride);
   });
   for (int64_t r = 0; r < rows; ++r)
     softmax(scores_of(r), lengths[r] - window_start(lengths[r], window), group, stride, buf.total.data() + r * group);
-  blockwise(v, [&](int64_t r, int64_t from, int64_t n) {
-    block_values<DIM>(scores_of(r) + from - window_start(lengths[r], window), buf.block_f.data() + (from % block_size) * dim,
-                      n, group, dim, buf.acc.data() + r * width, stride);
+  blockwise(v, [&](int64_t r, const auto* values, int64_t from, int64_t n) {
+    const float* weights = scores_of(r) + from - window_start(lengths[r], window);
+#ifdef STORYTELLER_ATTENTION_AVX512
+    if constexpr (VECTOR) attention_avx512::block_values<C, DIM>(weights, values, n, group, buf.acc.data() + r * width, stride);
+#endif
+    if constexpr (!VECTOR) block_values<DIM>(weights, values, n, group, dim, buf.acc.data() + r * width, stride);
   });
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t g = 0; g < group; ++g) {
