@@ -1,6 +1,7 @@
 // A row's attention steps (attention.h) written for AVX-512, for head sizes that are a multiple of
 // 32: keys and values read straight from the cache in its own element type, converted in
-// registers, and a block's scores made 16 positions at a time.
+// registers, and a block's scores made 16 positions at a time. (Other head sizes, and the AVX2
+// build, keep attention.h's portable steps.)
 //
 // Why: the portable steps turn each block into floats in a buffer first, then score one position
 // at a time, each a dot product ending in a horizontal sum. At the 1.7B shape (32 KV heads of 64,
