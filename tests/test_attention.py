@@ -18,9 +18,9 @@ SHAPES = [(16, 4), (64, 4), (128, 32)]  # (head size, block size)
 
 
 def reference(q, cache, tables, lengths, scale, window=0):
-    size = cache.k.shape[3]
     """Each row on its own: its tokens' keys and values in order (its last `window`, if > 0),
     softmax, weighted sum."""
+    size = cache.k.shape[3]
     out = []
     for row, length in enumerate(lengths.tolist()):
         first = max(0, length - window) if window else 0

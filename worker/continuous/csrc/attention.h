@@ -177,8 +177,9 @@ static void attend_tile(const T* q, int64_t q_stride, const C* k, const C* v, co
     for (int64_t i = 0; i < width; ++i) buf.query[r * width + i] *= scale;
   }
   // Each block of keys (then values), in order, once for every row of the tile (turned to floats
-  // first, or read as it is by the vector steps); each row takes the part of it inside its window: positions [from, from + n), `from` absolute.
-  // (Lengths grow along the tile, and so do the windows' starts: the first row's starts first.)
+  // first, or read as it is by the vector steps); each row takes the part of it inside its window:
+  // positions [from, from + n), `from` absolute. (Lengths grow along the tile, and so do the
+  // windows' starts: the first row's starts first.)
   const int64_t first = window_start(lengths[0], window) / block_size * block_size;
   const auto blockwise = [&](const C* cache, const auto& each_row) {
     for (int64_t start = first; start < longest; start += block_size) {
