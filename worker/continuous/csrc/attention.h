@@ -171,7 +171,7 @@ static void attend_tile(const T* q, int64_t q_stride, const C* k, const C* v, co
   buf.acc.assign(rows * width, 0.f);
   buf.total.resize(rows * group);
   buf.scores.resize(rows * group * stride);
-  buf.block_f.resize(block_size * dim);
+  if constexpr (!VECTOR) buf.block_f.resize(block_size * dim);  // the vector steps read the cache itself
   for (int64_t r = 0; r < rows; ++r) {
     to_float(q + r * q_stride, buf.query.data() + r * width, width);
     for (int64_t i = 0; i < width; ++i) buf.query[r * width + i] *= scale;

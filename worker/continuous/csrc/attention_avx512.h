@@ -20,9 +20,6 @@
 #define STORYTELLER_ATTENTION_AVX512 1
 #include <immintrin.h>
 
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-
 #include <algorithm>
 #include <cstdint>
 
@@ -31,17 +28,10 @@
 namespace storyteller {
 namespace attention_avx512 {
 
-// 32 elements at p as two vectors of 16 floats (exact conversions).
-static inline void load32(const float* p, __m512& a, __m512& b) {
-  a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
-}
-static inline void load32(const c10::Half* p, __m512& a, __m512& b) {
-  a = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  b = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16)));
-}
-static inline void load32(const c10::BFloat16* p, __m512& a, __m512& b) {  // each the top half of a float's bits
-  a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-  b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16))), 16));
+// 32 elements at p as two vectors of 16 floats (rowwise.h's exact conversions).
+template <typename C>
+static inline void load32(const C* p, __m512& a, __m512& b) {
+  a = load16(p), b = load16(p + 16);
 }
 
 // 16 vectors' lanes each added up, vector i's sum into lane 4 (i % 4) + i / 4 of the result, in

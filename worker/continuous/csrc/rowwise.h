@@ -4,6 +4,7 @@
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <c10/util/Optional.h>
 
 #include <algorithm>
@@ -134,6 +135,9 @@ static inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
 static inline __m512 load16(const c10::BFloat16* x) {
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+static inline __m512 load16(const c10::Half* x) {  // vcvtph2ps: exact
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
 }
 
 // A group of 32 activations rounded to 8 bits, as the integer kernels take them (panels.h,
