@@ -104,6 +104,9 @@ def plot_crowds(runs: list[dict], path: str | Path) -> None:
         rows = [r for r in run["rows"] if r["median_s"] is not None]
         xs = [r["players"] for r in rows]
         ax_tps.plot(xs, [r["tokens_per_s"] for r in rows], "o-", color=colour, label=run["label"])
+        for r in rows:  # a crowd measured in several rounds: the line is their median, each a dot
+            rounds = r.get("tokens_per_s_rounds") or []
+            ax_tps.plot([r["players"]] * len(rounds), rounds, ".", color=colour, alpha=0.35)
         ax_lat.plot(xs, [r["median_s"] for r in rows], "o-", color=colour, label=run["label"])
         ax_lat.plot(xs, [r["p95_s"] for r in rows], "s--", color=colour, alpha=0.7)
         if streamed:

@@ -5,13 +5,16 @@ bench.load (N players at once, each sending its requests back to back, EOS ignor
 exactly --tokens tokens a request: bench.client sends `ignore_eos`, a field llama-server reads
 too). llama-server is the native build of bench.llama_cpp with 2 threads and 64 slots, each with
 room for a prompt and its answer; Storyteller is a private stack (bench.stack) of one continuous
-worker with its default settings. One machine, one run, one after the other: machines are noisy,
-so compare the ratio, not numbers from different runs. Each crowd also records both servers'
-resident memory (the worker's own report in its heartbeat; llama-server's /proc VmRSS), and a lone
-player's crowd its share of the memory-bandwidth bound measured just before and after it, the
-higher of the two (bench.bandwidth).
+worker with its default settings. Both servers run side by side, and each crowd runs on one,
+then on the other, --rounds times (the order swapped each round): a shared machine's memory
+bandwidth moves by the minute, so the ratio of each round compares the same minutes, and the
+table quotes the median of the rounds' ratios with their range. Each crowd also records both
+servers' resident memory (the worker's own report in its heartbeat; llama-server's /proc VmRSS),
+and a lone player's crowds their share of the memory-bandwidth bound measured just before and
+after the pair, the higher of the two (bench.bandwidth).
 
     python -m bench.vs_llama_server --shape smollm2-1.7b
+    python -m bench.vs_llama_server --shape qwen2.5-1.5b --players 1 --rounds 7
     python -m bench.vs_llama_server --model-file my.Q4_K_M.gguf --players 1 16 --only llama
     python -m bench.vs_llama_server --shape smollm2-135m --players 1 4 --requests 2 --tokens 16
 
@@ -26,8 +29,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from bench import bandwidth, llama_cpp
 from bench.client import get_first_model
@@ -35,7 +40,7 @@ from bench.load import run_crowd
 from bench.report import cell, format_row, plot_crowds, write_json
 from bench.row_kernels import cpu_name
 from bench.stack import log_tail, stack, stop
-from bench.stats import ratio
+from bench.stats import median_of, ratio
 from serve import free_port
 from shared.lifetime import dies_with_parent
 
@@ -113,84 +118,131 @@ def warm_up(url: str, model: str, players: int, tokens: int) -> None:
     run_crowd(url, model, players, 1, 8, progress=False)
 
 
-def crowds(label: str, url: str, model: str, args, rss) -> dict:
-    """The crowds of args.players against one server, a row each, printed as they finish; `rss()`
-    the server's resident memory, read after each crowd. A lone player's crowd comes with the
-    bound measured just before and just after it, the server idle (bench.bandwidth): bandwidth
-    varies by the hour on a shared machine, so the bound and the speed held against it come from
-    the same minutes."""
-    run = {"label": label, "url": url, "model": model, "tokens": args.tokens, "requests": args.requests,
-           "ignore_eos": True, "rows": []}
-    warm_up(url, model, max(args.players), args.tokens)
-    print(f"# {label}: {args.requests} requests x {args.tokens} tokens per player")
-    print(format_row(None) + f"  {'RSS MiB':>9}", flush=True)
-    for players in args.players:
-        before = bandwidth.bound(str(args.path), THREADS) if players == 1 else None
-        row = run_crowd(url, model, players, args.requests, args.tokens)
-        if before:
-            # Measured again just after: a neighbour on a shared machine can halve the rate for a
-            # minute (13 and 20 GB/s in one hour here), and a bound read in such a minute made a
-            # player seem faster than the bound. The higher of the two is the ceiling held against.
-            after = bandwidth.bound(str(args.path), THREADS)
-            lone = max(before, after, key=lambda b: b["bound_tokens_per_s"])
-            row["bound"] = {**lone, "before_gb_s": before["bandwidth_gb_s"], "after_gb_s": after["bandwidth_gb_s"],
-                            "share": round(row["tokens_per_s"] / lone["bound_tokens_per_s"], 3)}
-        row["rss_mb"] = rss()
-        # The machine's load as the crowd ends: anything else on these 2 cores (a build) slows
-        # both servers' thread pools 10x and more (measured here), and this shows when it ran.
-        row["load_1min"] = round(os.getloadavg()[0], 2)
-        run["rows"].append(row)
-        print(format_row(row) + f"  {cell(row['rss_mb'], 'd'):>9}", flush=True)
-        if before:
-            b = row["bound"]
-            print(f"  the bound: {b['bandwidth_gb_s']} GB/s (just before {b['before_gb_s']}, just after "
-                  f"{b['after_gb_s']}) over {b['bytes_per_token'] / 1e9:.3f} GB a token, "
-                  f"{b['bound_tokens_per_s']} tokens/s; this player wrote {b['share']:.0%} of it", flush=True)
-    return run
+@dataclass
+class Server:
+    """One of the two servers, started: where to send a crowd and how to read its memory."""
+    label: str
+    url: str
+    model: str
+    rss: Callable[[], int | None]
+    about: dict
 
 
-def run_llama(path: Path, args) -> dict:
-    with llama_server(path, args.tokens) as (url, process):
-        run = crowds("llama-server", url, get_first_model(url) or path.stem, args, lambda: vm_rss_mb(process.pid))
-        run["command"] = " ".join(server_command(Path("llama-server"), Path(path.name), "PORT", args.tokens))
-        return run
+@contextmanager
+def servers(path: Path, args):
+    """The servers args.only names, started together and left running side by side: a crowd on
+    one runs while the other is idle (llama-server's threads sleep between requests; the idle
+    worker blocks on Redis)."""
+    with ExitStack() as started:
+        found = []
+        if args.only in ("both", "llama"):
+            url, process = started.enter_context(llama_server(path, args.tokens))
+            command = " ".join(server_command(Path("llama-server"), Path(path.name), "PORT", args.tokens))
+            found.append(Server("llama-server", url, get_first_model(url) or path.stem,
+                                lambda: vm_rss_mb(process.pid), {"command": command}))
+        if args.only in ("both", "storyteller"):
+            env = {"ENGINE": "continuous", "KV_DTYPE": args.kv_dtype,
+                   **({"KV_MEMORY": str(args.kv_memory)} if args.kv_memory else {})}
+            running = started.enter_context(stack(env, str(path), LOGS, "vs-llama-storyteller"))
+            found.append(Server("storyteller", running.url, running.model, lambda: worker_rss_mb(running),
+                                {"worker": running.workers()[0] if running.workers() else None}))
+        yield found
 
 
-def run_storyteller(path: Path, args) -> dict:
-    env = {"ENGINE": "continuous", "KV_DTYPE": args.kv_dtype,
-           **({"KV_MEMORY": str(args.kv_memory)} if args.kv_memory else {})}
-    with stack(env, str(path), LOGS, "vs-llama-storyteller") as running:
-        run = crowds("storyteller", running.url, running.model, args, lambda: worker_rss_mb(running))
-        run["worker"] = running.workers()[0] if running.workers() else None
-        return run
+def rounds(found: list[Server], args) -> list[dict]:
+    """Each crowd on each server in turn, args.rounds times, the servers' order swapped each
+    round: on a shared machine the memory bandwidth moves by the minute (35 and 60 GB/s a minute
+    apart on one VM), so two servers measured one after the other can differ by the minute more
+    than by their code. A lone player's crowds come with the bound measured just before and
+    just after the pair, the servers idle (bench.bandwidth); both players are held against the
+    higher of the two. A run per server, its rows the median round's (median_row)."""
+    runs = {s.label: {"label": s.label, "url": s.url, "model": s.model, "tokens": args.tokens,
+                      "requests": args.requests, "ignore_eos": True, "rounds": [], **s.about} for s in found}
+    for server in found:
+        warm_up(server.url, server.model, max(args.players), args.tokens)
+    print(f"# {args.rounds} round(s) of {args.requests} requests x {args.tokens} tokens per player", flush=True)
+    print(f"{'server':>12}  {'round':>5}  " + format_row(None) + f"  {'RSS MiB':>9}", flush=True)
+    for turn in range(args.rounds):
+        order = found if turn % 2 == 0 else found[::-1]
+        for players in args.players:
+            before = bandwidth.bound(str(args.path), THREADS) if players == 1 else None
+            rows = {s.label: run_crowd(s.url, s.model, players, args.requests, args.tokens) for s in order}
+            if before:
+                # A neighbour on a shared machine can halve the rate for a minute (13 and 20 GB/s
+                # in one hour here): a bound read in such a minute made a player seem faster than
+                # the bound. The higher reading is the ceiling held against.
+                after = bandwidth.bound(str(args.path), THREADS)
+                lone = max(before, after, key=lambda b: b["bound_tokens_per_s"])
+                for row in rows.values():
+                    row["bound"] = {**lone, "before_gb_s": before["bandwidth_gb_s"],
+                                    "after_gb_s": after["bandwidth_gb_s"],
+                                    "share": round(row["tokens_per_s"] / lone["bound_tokens_per_s"], 3)}
+            for server in order:
+                row = rows[server.label]
+                row["round"] = turn + 1
+                row["rss_mb"] = server.rss()
+                # The machine's load as the crowd ends: anything else on these 2 cores (a build)
+                # slows both servers' thread pools 10x and more (measured here).
+                row["load_1min"] = round(os.getloadavg()[0], 2)
+                runs[server.label]["rounds"].append(row)
+                print(f"{server.label:>12}  {turn + 1:>5}  " + format_row(row) + f"  {cell(row['rss_mb'], 'd'):>9}",
+                      flush=True)
+            if before:
+                b = next(iter(rows.values()))["bound"]
+                print(f"  the bound: {b['bandwidth_gb_s']} GB/s (just before {b['before_gb_s']}, just after "
+                      f"{b['after_gb_s']}) over {b['bytes_per_token'] / 1e9:.3f} GB a token, "
+                      f"{b['bound_tokens_per_s']} tokens/s; "
+                      + ", ".join(f"{label} wrote {r['bound']['share']:.0%}" for label, r in rows.items()), flush=True)
+    for run in runs.values():
+        run["rows"] = [median_row([r for r in run["rounds"] if r["players"] == p]) for p in args.players]
+    return list(runs.values())
+
+
+def median_row(rows: list[dict]) -> dict:
+    """The round whose tokens/s is the median (the lower of the middle two), with every round's
+    tokens/s and share of the bound beside it: a row some round really measured, not a blend."""
+    middle = sorted(rows, key=lambda r: r["tokens_per_s"] or 0)[(len(rows) - 1) // 2]
+    shares = [r["bound"]["share"] for r in rows if r.get("bound")]
+    return {**middle, "tokens_per_s_rounds": [r["tokens_per_s"] for r in rows],
+            **({"bound": {**middle["bound"], "share": median_of(shares), "share_rounds": shares}} if shares else {})}
 
 
 def side_by_side(runs: list[dict]) -> list[dict]:
-    """A row per crowd: both servers' tokens/s and Storyteller's as a multiple of llama-server's."""
-    by_label = {run["label"]: {row["players"]: row for row in run["rows"]} for run in runs}
+    """A row per crowd: both servers' median tokens/s, and Storyteller's as a multiple of
+    llama-server's, the median of the rounds' ratios (each from the same minutes) with its range."""
+    by_label = {run["label"]: run for run in runs}
     llama, ours = by_label.get("llama-server", {}), by_label.get("storyteller", {})
+    median = {label: {r["players"]: r for r in run["rows"]} for label, run in (("llama", llama), ("ours", ours))
+              if run}
     rows = []
-    for players in sorted(set(llama) | set(ours)):
-        a, b = llama.get(players, {}), ours.get(players, {})
+    for players in sorted({p for m in median.values() for p in m}):
+        a, b = median.get("llama", {}).get(players, {}), median.get("ours", {}).get(players, {})
+        ratios = [ratio(o["tokens_per_s"], l["tokens_per_s"])
+                  for l in llama.get("rounds", []) for o in ours.get("rounds", [])
+                  if l["players"] == o["players"] == players and l["round"] == o["round"]]
+        ratios = [r for r in ratios if r is not None]
         rows.append({"players": players, "llama_tokens_per_s": a.get("tokens_per_s"),
                      "storyteller_tokens_per_s": b.get("tokens_per_s"),
-                     "ratio": None if (r := ratio(b.get("tokens_per_s"), a.get("tokens_per_s"))) is None
-                     else round(r, 3),
+                     "ratio": None if not ratios else round(median_of(ratios), 3),
+                     "ratio_rounds": [round(r, 3) for r in ratios],
                      "llama_of_bound": (a.get("bound") or {}).get("share"),
                      "storyteller_of_bound": (b.get("bound") or {}).get("share"),
                      "llama_rss_mb": a.get("rss_mb"), "storyteller_rss_mb": b.get("rss_mb"),
-                     "errors": a.get("errors", 0) + b.get("errors", 0)})
+                     "errors": sum(r["errors"] for run in (llama, ours) for r in run.get("rounds", [])
+                                   if r["players"] == players)})
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
-    header = ("players", "llama tok/s", "storyteller tok/s", "ratio", "llama of bound", "ours of bound",
+    """Medians over the rounds; the ratio's range over the rounds in brackets."""
+    header = ("players", "llama tok/s", "storyteller tok/s", "ratio (range)", "llama of bound", "ours of bound",
               "llama RSS MiB", "worker RSS MiB")
     share = lambda s: "-" if s is None else f"{s:.0%}"  # noqa: E731
     print("\n" + "  ".join(f"{h:>17}" for h in header))
     for r in rows:
+        spread = f" ({min(r['ratio_rounds']):.2f}-{max(r['ratio_rounds']):.2f})" if len(r["ratio_rounds"]) > 1 else ""
         cells = (r["players"], cell(r["llama_tokens_per_s"], ".1f"), cell(r["storyteller_tokens_per_s"], ".1f"),
-                 "-" if r["ratio"] is None else f"{r['ratio']:.2f}x", share(r["llama_of_bound"]),
+                 "-" if r["ratio"] is None else f"{r['ratio']:.2f}x{spread}", share(r["llama_of_bound"]),
                  share(r["storyteller_of_bound"]), cell(r["llama_rss_mb"], "d"), cell(r["storyteller_rss_mb"], "d"))
         print("  ".join(f"{c:>17}" for c in cells))
 
@@ -205,6 +257,8 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=4, help="requests per player")
     ap.add_argument("--tokens", type=int, default=64, help="max_tokens per request (EOS ignored)")
     ap.add_argument("--only", choices=("both", "llama", "storyteller"), default="both")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="times each crowd runs on each server, in turn (the medians are reported)")
     ap.add_argument("--kv-memory", type=int, default=0,
                     help="MiB of KV cache for Storyteller's worker (default: its own, 1 GiB). llama-server's "
                          "cache holds every slot's tokens; 1 GiB may hold fewer players' tokens")
@@ -219,11 +273,10 @@ def main(argv=None) -> int:
     out = args.out or f"docs/results/vs-llama-server-{path.stem}"
     print(f"file: {path}", flush=True)
 
-    runs = []
-    if args.only in ("both", "llama"):
-        runs.append(run_llama(path, args))
-    if args.only in ("both", "storyteller"):
-        runs.append(run_storyteller(path, args))
+    if args.rounds < 1:
+        ap.error("--rounds: at least 1")
+    with servers(path, args) as found:
+        runs = rounds(found, args)
     rows = side_by_side(runs)
     print_table(rows)
     write_json(out + ".json", {"file": path.name, "shape": None if args.model_file else args.shape,
@@ -231,7 +284,7 @@ def main(argv=None) -> int:
                                            "llama_cpp": f"llama-cpp-python {llama_cpp.gguf_files.CONVERTER_VERSION}"
                                                         f" vendored, GGML_NATIVE=ON, -t 2 ({llama_cpp.build_name()})"},
                                "storyteller_kv_memory_mib": args.kv_memory or None,
-                               "storyteller_kv_dtype": args.kv_dtype, "rows": rows, "runs": runs})
+                               "storyteller_kv_dtype": args.kv_dtype, "rounds": args.rounds, "rows": rows, "runs": runs})
     plot_crowds(runs, out + ".png")
     print(f"wrote {out}.json and {out}.png")
     return 1 if any(r["errors"] for r in rows) else 0

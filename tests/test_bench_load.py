@@ -191,3 +191,29 @@ def test_interference_rows_count_a_failed_long_prompt(monkeypatch):
     rows = scenarios.SCENARIOS["interference"].run("url", "m", scenarios.SMOKE, 0, None)
     assert [r["case"] for r in rows] == ["gaps before", "gaps while", "gaps after", "long prompt"]
     assert rows[-1]["errors"] == 2 and rows[-1]["error_samples"][0] == "long prompt: timed out"
+
+
+def test_side_by_side_quotes_the_median_of_each_rounds_ratio():
+    from bench import vs_llama_server as vs
+
+    def crowd(players, turn, tokens_per_s, share=None, errors=0):
+        row = {"players": players, "round": turn, "tokens_per_s": tokens_per_s, "errors": errors, "rss_mb": turn}
+        return {**row, "bound": {"share": share, "bandwidth_gb_s": 30.0 + turn}} if share else row
+
+    # Round 2's llama-server ran in a slow minute: its ratio is high, the median's is not.
+    llama = [crowd(1, 1, 30.0, 0.50), crowd(1, 2, 15.0, 0.25), crowd(1, 3, 32.0, 0.53), crowd(16, 1, 10.0)]
+    ours = [crowd(1, 1, 33.0, 0.55), crowd(1, 2, 36.0, 0.60), crowd(1, 3, 32.0, 0.53), crowd(16, 1, 40.0, errors=1)]
+    runs = [{"label": label, "rounds": rows, "rows": [vs.median_row([r for r in rows if r["players"] == p])
+                                                       for p in (1, 16)]}
+            for label, rows in (("llama-server", llama), ("storyteller", ours))]
+    lone = runs[0]["rows"][0]
+    assert lone["round"] == 1 and lone["tokens_per_s"] == 30.0 and lone["rss_mb"] == 1  # a round's own row
+    assert lone["tokens_per_s_rounds"] == [30.0, 15.0, 32.0] and lone["bound"]["share"] == 0.50
+    assert lone["bound"]["bandwidth_gb_s"] == 31.0 and lone["bound"]["share_rounds"] == [0.50, 0.25, 0.53]
+    rows = vs.side_by_side(runs)
+    assert [r["players"] for r in rows] == [1, 16]
+    assert rows[0]["ratio_rounds"] == [1.1, 2.4, 1.0] and rows[0]["ratio"] == 1.1
+    assert rows[0]["llama_tokens_per_s"] == 30.0 and rows[0]["storyteller_tokens_per_s"] == 33.0
+    assert rows[1]["ratio"] == 4.0 and rows[1]["errors"] == 1 and rows[1]["storyteller_of_bound"] is None
+    one = vs.side_by_side(runs[1:])  # --only storyteller: no ratio to quote
+    assert one[0]["ratio"] is None and one[0]["ratio_rounds"] == [] and one[0]["storyteller_tokens_per_s"] == 33.0
