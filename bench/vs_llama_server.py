@@ -212,11 +212,10 @@ def side_by_side(runs: list[dict]) -> list[dict]:
     llama-server's, the median of the rounds' ratios (each from the same minutes) with its range."""
     by_label = {run["label"]: run for run in runs}
     llama, ours = by_label.get("llama-server", {}), by_label.get("storyteller", {})
-    median = {label: {r["players"]: r for r in run["rows"]} for label, run in (("llama", llama), ("ours", ours))
-              if run}
+    medians = [{r["players"]: r for r in run.get("rows", [])} for run in (llama, ours)]
     rows = []
-    for players in sorted({p for m in median.values() for p in m}):
-        a, b = median.get("llama", {}).get(players, {}), median.get("ours", {}).get(players, {})
+    for players in sorted(set(medians[0]) | set(medians[1])):
+        a, b = (m.get(players, {}) for m in medians)
         ratios = [ratio(o["tokens_per_s"], l["tokens_per_s"])
                   for l in llama.get("rounds", []) for o in ours.get("rounds", [])
                   if l["players"] == o["players"] == players and l["round"] == o["round"]]
