@@ -215,8 +215,9 @@ static inline void prefetch_ahead(const uint8_t* w) {
 }
 
 // Walks a panel's G groups (w: the panel's bytes), calling visit(g, the group's bytes, d, dmin),
-// d and dmin from the header of the group's superblock.
-template <int T, typename Visit>
+// d and dmin from the header of the group's superblock; with FETCH, asking for the weights AHEAD
+// groups on as it goes.
+template <int T, bool FETCH = true, typename Visit>
 static inline void each_group(const uint8_t* w, int64_t G, const Visit& visit) {
   using F = Format<T>;
   Floats d = zerof(), dmin = zerof();
@@ -226,7 +227,7 @@ static inline void each_group(const uint8_t* w, int64_t G, const Visit& visit) {
       if (F::minimum) dmin = halves16(w + 32);
       w += F::header;
     }
-    prefetch_ahead<T>(w);
+    if constexpr (FETCH) prefetch_ahead<T>(w);
     visit(g, w, d, dmin);
     w += F::group;
   }
@@ -314,9 +315,14 @@ struct GroupSums {
 // Rows r0..r0 + R of x against a panel, added to acc, straight from its bytes, in registers: a step
 // of a few rows, whose weights stream by once (storing each group's bytes and reading them back cost more than the products at
 // one row: a store of 64 bytes takes two cycles on Zen 4).
+//
+// A lone row asks for nothing ahead: the core's own prefetchers keep up with its stream, and its ~65
+// instructions a group are what holds it where memory is fast, so 5 prefetches fewer pay (A/Bs on
+// the Qwen-shaped file's layers on a Zen 4, docs/serving.md: 1.056x in minutes when memory read ~58
+// GB/s, 1.00x when it read ~35). From 4 rows on they are needed: 0.84x without them.
 template <int T, int R>
 static inline void rows_direct(const Activations& a, int64_t r0, const uint8_t* w, Floats* acc) {
-  each_group<T>(w, a.G, [&](int64_t g, const uint8_t* group, Floats d, Floats dmin) {
+  each_group<T, /*FETCH=*/(R > 1)>(w, a.G, [&](int64_t g, const uint8_t* group, Floats d, Floats dmin) {
     GroupSums<T, R> sums(a, r0, g);
     Ints lo, hi;
     block_u<T, 0>(group, lo, hi), sums.template block<0>(lo, hi);
