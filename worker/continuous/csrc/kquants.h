@@ -318,8 +318,9 @@ struct GroupSums {
 //
 // A lone row asks for nothing ahead: the core's own prefetchers keep up with its stream, and its ~65
 // instructions a group are what holds it where memory is fast, so 5 prefetches fewer pay (A/Bs on
-// the Qwen-shaped file's layers on a Zen 4, docs/serving.md: 1.056x in minutes when memory read ~58
-// GB/s, 1.00x when it read ~35). From 4 rows on they are needed: 0.84x without them.
+// the Qwen-shaped file's layers on a Zen 4, docs/serving.md: 1.06-1.10x in minutes when memory read
+// ~58 GB/s, 1.00-1.03x when it read ~35). Two rows and more keep them, unmeasured at 2 and 3: at 4
+// rows a pass without them ran 0.84x.
 template <int T, int R>
 static inline void rows_direct(const Activations& a, int64_t r0, const uint8_t* w, Floats* acc) {
   each_group<T, /*FETCH=*/(R > 1)>(w, a.G, [&](int64_t g, const uint8_t* group, Floats d, Floats dmin) {
