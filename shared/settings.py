@@ -109,7 +109,7 @@ class Settings:
     max_stretch: float = _setting(2.0, "while others decode, prompt chunks may make a step take at "
                                        "most this many times as long as the decodes alone would (timed "
                                        "as it runs; 0: untimed, --step-fill alone)")
-    scheduler: str = _setting("fifo", "fifo (decodes, then ongoing prefills, then new requests) | "
+    scheduler: str = _setting("fifo", "fifo (decodes, then prompts, shortest rest first) | "
                                       "prefill-first")
     prefix_caching: bool = _setting(True, "share the KV blocks of prompts that start alike (a game's "
                                           "shared system prompt)")

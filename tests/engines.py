@@ -82,6 +82,9 @@ class StandIn:
     def free_slots(self) -> int:
         return self.capacity - len(self.held)
 
+    def held_slots(self) -> int:
+        return 0
+
     def add(self, job: Job, written=None, constraint=None) -> Sequence:
         seq = Sequence(job, self.tokenizer, frozenset({self.tokenizer.eos_token_id}), written, constraint)
         self.held.append(seq)

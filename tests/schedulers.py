@@ -20,8 +20,9 @@ class NoTokenizer:
         return ""
 
 
-def request(prompt_len: int, max_tokens: int = 50) -> Request:
-    job = Job(id=f"r{time.monotonic_ns()}", model="m", prompt_ids=list(range(10, 10 + prompt_len)),
+def request(prompt_len: int, max_tokens: int = 50, first: int = 10) -> Request:
+    """A prompt of `prompt_len` ids counting up from `first`."""
+    job = Job(id=f"r{time.monotonic_ns()}", model="m", prompt_ids=list(range(first, first + prompt_len)),
               params=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
               timeout_s=60)
     return Request(Sequence(job, NoTokenizer(), frozenset()))
@@ -43,7 +44,8 @@ def run(s: Scheduler, plan):
     return s.postprocess(plan, produced, elapsed_s=0.0)
 
 
-def scheduler(policy="fifo", blocks=100, budget=16, block_size=4, margin=0, prefill_chunk=0, step_fill=0):
+def scheduler(policy="fifo", blocks=100, budget=16, block_size=4, margin=0, prefill_chunk=0, step_fill=0,
+              prefix_caching=False):
     config = replace(EngineConfig.from_settings(Settings()), max_batch_tokens=budget, scheduler=policy,
                      prefill_chunk=prefill_chunk, step_fill=step_fill)
-    return Scheduler(BlockManager(blocks, block_size, prefix_caching=False), config, 64, margin)
+    return Scheduler(BlockManager(blocks, block_size, prefix_caching), config, 64, margin)

@@ -154,6 +154,34 @@ def test_the_worker_loop_leaves_in_redis_what_it_would_not_start(tiny_llama, fak
     assert fake_redis.llen(keys.processing("m", "w")) == 0, "every job answered"
 
 
+def test_a_busy_worker_takes_a_turn_offered_to_it_past_its_count(tiny_llama, fake_redis):
+    """Engine.held_slots and the take past its limit: a worker whose next step is all a long
+    prompt's by free_slots' count still takes a job the API offered it (a conversation its prefix
+    cache holds), which the next step starts and prefills whole; the shared job ahead of it in
+    line stays in Redis for another worker, and wakes one."""
+    info = WorkerInfo(id="w", model="m", context_window=256, engine="continuous", batch=32, device="cpu",
+                      dtype="float32", tokenizer_digest="x", pid=1, host="h", started=0.0)
+    engine = make_engine(tiny_llama, ENGINE)
+    worker = Worker(JobQueue(fake_redis, "w", "m"), engine, info, Settings(wait_ms=0))
+    worker.queue.sync_clock()
+    long, shared, turn = backlog(3, seed=6, lengths=(10, 10), max_tokens=(8, 8))
+    long = replace(long, prompt_ids=long.prompt_ids * 10)  # 100 tokens, 32 a step
+    engine.add(long)
+    engine.step()
+    assert engine.free_slots() == 0 and engine.held_slots() == 1
+    offered = replace(turn, offer="w", offer_until=int(time.time() * 1000) + 600_000)
+    _push(fake_redis, [shared, replace(offered, offer="elsewhere"), offered])
+    fake_redis.delete(keys.wake("m"))
+    assert worker._admit() == 1
+    assert [s.id for s in engine.sequences()] == [long.id, turn.id]
+    assert fake_redis.llen(keys.queue("m")) == 2 and fake_redis.llen(keys.wake("m")) == 1
+    assert engine.held_slots() == 0, "one at a time: it holds one unstarted"
+    engine.step()
+    request = {r.id: r for r in engine.scheduler.running}
+    assert request[turn.id].computed == 10 and len(request[turn.id].seq.output_ids) == 1, "its whole prompt"
+    assert request[long.id].computed == 32 + 16 + 6, "half the step kept, and what the turn left"
+
+
 def test_jobs_left_behind_wake_an_idle_worker(real_redis):
     """A worker that takes part of what is queued wakes another, which would otherwise sleep through
     its block (the API's push woke one worker only)."""

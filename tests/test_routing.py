@@ -147,6 +147,27 @@ def test_priority_order_holds_across_offered_and_shared_jobs(any_redis):
     assert job_ids_of(other.take(limit=4, wait_s=0, block_s=0)) == ["job-5"]
 
 
+def test_past_its_limit_a_worker_takes_only_its_own_offers_in_priority_order(any_redis):
+    """`held` (Engine.held_slots): past the limit a worker takes the turns offered to it, from the
+    queue where it reached the limit; the shared job left there wakes another worker and stops it
+    from going on to a less urgent queue; a job that has cost a worker is not taken this way."""
+    holder, other = _worker(any_redis, "holder"), _worker(any_redis, "other")
+    until = _now_ms(any_redis) + HOLD_MS
+    _push(any_redis, 0, offer="holder", until_ms=until, priority=1)
+    _push(any_redis, 1, priority=1)
+    _push(any_redis, 2, offer="holder", until_ms=until, priority=1)
+    _push(any_redis, 3, offer="holder", until_ms=until, priority=1)
+    _push(any_redis, 4, offer="holder", until_ms=until, priority=5)
+    any_redis.set(keys.attempts(MODEL, "job-3"), 1)  # a worker died holding it
+    assert job_ids_of(holder.take(limit=0, wait_s=0, block_s=0, held=3)) == ["job-0", "job-2"]
+    assert any_redis.llen(keys.wake(MODEL)) == 1, "the shared job left behind wakes a worker"
+    # job-3, left in the urgent queue, keeps the less urgent job-4 back too.
+    assert job_ids_of(holder.take(limit=1, wait_s=0, block_s=0, held=3)) == ["job-1"]
+    assert job_ids_of(holder.take(limit=1, wait_s=0, block_s=0, held=3)) == ["job-3", "job-4"]
+    assert holder.offers["own"] == 3  # job-3's wait was its dead worker's hold, not an offer's
+    assert other.take(limit=4, wait_s=0, block_s=0) == []
+
+
 def test_an_idle_worker_takes_a_job_once_the_offer_to_another_lapses(any_redis):
     """Through the API's admission script: the offer is stamped in Redis' clock, the holder's own
     wake list gets a token, and an idle other worker blocks only until the offer lapses."""

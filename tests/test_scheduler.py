@@ -8,18 +8,71 @@ from worker.continuous.request import Status
 from worker.continuous.scheduler import FILL_ATTENTION, MIN_PROMPT_SHARE, PROMPT_TOKENS_PER_DECODE
 
 
-def test_fifo_runs_decodes_then_ongoing_prefills_then_new_requests():
+def test_fifo_runs_decodes_then_prompts_shortest_rest_first_the_oldest_keeping_half():
     s = scheduler("fifo", budget=16)
     decoding, long_prompt = request(3), request(40)
     s.add(decoding)
     run(s, s.schedule())  # prefilled, now decoding
     s.add(long_prompt)
     run(s, s.schedule())  # decode + first chunk of the long prompt (15 tokens)
-    newcomer = request(5)
-    s.add(newcomer)
+    short, longer = request(5), request(60)
+    s.add(short)
+    s.add(longer)
     plan = s.schedule()
-    assert [(r, n) for r, n in plan] == [(decoding, 1), (long_prompt, 15)]
-    assert newcomer.status is Status.PENDING, "the budget went to the older requests"
+    # 15 for prompts: the long one keeps 7 (half), the short one all its 5, the long one the 3 left
+    assert plan == [(decoding, 1), (long_prompt, 10), (short, 5)]
+    assert longer.status is Status.PENDING, "a longer rest than the prompt under way's waits behind it"
+
+
+def test_new_requests_keep_the_queues_order_among_themselves():
+    s = scheduler("fifo", budget=17)  # 16 prompt tokens beside one decode
+    decoding(s, 1)
+    under_way = request(26, first=1000)
+    s.add(under_way)
+    run(s, s.schedule())  # 16 computed, 10 left
+    first, second = request(30), request(2, first=2000)
+    s.add(first)
+    s.add(second)
+    plan = dict(s.schedule())
+    # The prompt under way keeps 8, and has 2 left, shorter than `first`; then `first` starts.
+    assert plan[under_way] == 10 and plan[first] == 6
+    assert second not in plan, "shorter, but behind `first` in line"
+
+
+def test_short_prompts_arriving_every_step_never_stop_the_oldest():
+    s = scheduler("fifo", budget=40, blocks=400)  # prompts get 16 a step beside up to 24 decodes
+    decoding(s, 1)
+    oldest = request(100, first=1000)
+    s.add(oldest)
+    steps = 0
+    while oldest.status is not Status.DECODING:
+        s.add(request(12))  # more than the 8 a step leaves them: they queue up
+        plan = dict(s.schedule())
+        assert plan[oldest] >= min(8, oldest.to_compute), "half of the 16 prompt tokens, or its rest"
+        run(s, list(plan.items()))
+        steps += 1
+    assert steps <= 100 // 8 + 1
+    assert sum(1 for r in s.running if r.status is Status.DECODING) > 3, "the short ones ran too"
+
+
+def test_a_turn_whose_history_is_cached_goes_before_a_history_read_from_the_start():
+    """The case the order is for: an NPC conversation's next turn is its history (in this worker's
+    prefix cache) and a few new tokens; another conversation's history read from the start (its
+    worker stopped) would have held it for every step of its read."""
+    s = scheduler("fifo", budget=17, block_size=4, prefix_caching=True)
+    decoding(s, 1)
+    turn = request(64, max_tokens=1, first=100)
+    s.add(turn)
+    while not turn.finished:
+        run(s, s.schedule())
+    read_again = request(64, first=5000)
+    s.add(read_again)
+    run(s, s.schedule())  # under way
+    next_turn = request(70, first=100)  # the turn's prompt and 6 new tokens: 64 of them cached
+    s.add(next_turn)
+    plan = dict(s.schedule())
+    assert next_turn.seq.cached_tokens == 64 and plan[next_turn] == 6, "its whole rest in one step"
+    assert plan[read_again] == 16 - 6, "the read goes on with the rest of the budget"
 
 
 def test_prefill_first_gives_the_budget_to_prompts_before_decodes():

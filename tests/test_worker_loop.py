@@ -39,6 +39,9 @@ class IdleEngine:
     def free_slots(self) -> int:
         return 4
 
+    def held_slots(self) -> int:
+        return 0
+
     def sequences(self) -> list:
         return []
 

@@ -33,6 +33,11 @@ class Engine(Protocol):
         in Redis for other workers (docs/serving.md, Sharing work between workers)."""
         ...
 
+    def held_slots(self) -> int:
+        """How many jobs offered to this worker (their conversation held in its prefix cache: only
+        a new turn to compute) to take beyond free_slots, as the next step would start them."""
+        ...
+
     def add(self, job: Job, written: Optional[list[int]] = None, constraint=None) -> Sequence:
         """Hold the job. `written`: the tokens an earlier attempt wrote (its record in Redis, from the
         queue): the sequence resumes after them, and they are computed as prompt. A sequence the

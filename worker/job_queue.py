@@ -98,6 +98,12 @@ LOST = "lost"
 # after this queue's jobs offered to no one else (its own, new conversations', a dead worker's). A
 # busy worker that took it read the conversation's history again while its own turns waited, and
 # those lapsed in turn: in a saturated pool every lapse cost a prefill and made more (docs/scaling.md).
+# Past `limit`, up to ARGV[17] more jobs offered to this worker itself are taken (Engine.held_slots:
+# its prefix cache holds their conversations, so they cost a new turn each, which its scheduler
+# starts before longer prompts), from the queue where the take reached its limit; the other jobs
+# passed there stay where they are, and wake another worker. Not from a less urgent queue than one
+# where such a job was left, so priority order holds; nor one that has cost a worker (its attempts
+# key), which takes the ordinary way.
 # KEYS: the model's queues, most urgent first, then the processing list, then the wake list.
 # Returns {1 if the one job taken must run alone, the jobs, their records, {id, fingerprint, ...} of
 # those passed over for their fingerprint, ms until the first offer passed over lapses (0: none),
@@ -106,9 +112,9 @@ _TAKE = """
 local nq = #KEYS - 2
 local processing = KEYS[nq + 1]
 local limit, alone_ok, last_retry = tonumber(ARGV[1]), ARGV[2] == '1', tonumber(ARGV[3])
-local mine, most_passed = ARGV[11], tonumber(ARGV[14])
+local mine, most_passed, held = ARGV[11], tonumber(ARGV[14]), tonumber(ARGV[17])
 local taken, isolated, written, passed, skipped, retried = {}, 0, {}, {}, {}, {}
-local npassed = 0
+local npassed, nleft = 0, 0  -- passed over to be left in place; left past the limit (they wake a worker)
 local me_id, beat_prefix = ARGV[8], ARGV[15]
 local clock = redis.call('TIME')
 local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
@@ -156,7 +162,8 @@ end
 for i = 1, nq do
   local at = 0  -- jobs passed over at the head of this queue
   local lapsed = {}  -- jobs whose offer to another live worker has lapsed: after this queue's others
-  while #taken < limit and npassed < most_passed do
+  local left_here = 0  -- jobs past the limit left in this queue
+  while (#taken < limit or held > 0) and npassed < most_passed and nleft < most_passed do
     local raw = redis.call('LINDEX', KEYS[i], at)
     if not raw then break end
     local id = string.match(raw, '^{"id":"([^"]*)"') or ''
@@ -171,6 +178,13 @@ for i = 1, nq do
       else
         lapsed[#lapsed + 1] = {raw, offer, tries}
       end
+    elseif #taken >= limit then  -- past the limit: only a job offered here
+      if offer == me_id and tries == 0 then
+        take(KEYS[i], raw, at, tries)
+        held = held - 1
+      else
+        at, nleft, left_here = at + 1, nleft + 1, left_here + 1
+      end
     elseif by and by ~= mine and alive(by) then
       passed[#passed + 1] = id
       passed[#passed + 1] = by
@@ -180,7 +194,7 @@ for i = 1, nq do
         take(KEYS[i], raw, at, tries)
         isolated = 1
       end
-      limit = 0  -- nothing more now: it runs alone, or waits for a worker that holds nothing
+      limit, held = 0, 0  -- nothing more now: it runs alone, or waits for a worker that holds nothing
       break
     else
       take(KEYS[i], raw, at, tries)
@@ -194,7 +208,8 @@ for i = 1, nq do
       at, left = at - 1, left - 1
     end
   end
-  skipped[i] = at - left  -- what is left of them wakes a worker, as a job not passed over does
+  skipped[i] = at - left - left_here  -- what is left of them wakes a worker, as a job not passed over does
+  if left_here > 0 then held = 0 end  -- none from a less urgent queue
 end
 if #taken > 0 then
   local drained = ARGV[5] .. redis.call('TIME')[1]
@@ -411,13 +426,14 @@ class JobQueue:
 
     # Taking jobs
 
-    def take(self, limit: int, wait_s: float, block_s: float, alone_ok: bool = True) -> list[Job]:
-        """Up to `limit` jobs, most urgent queue first: wait up to `block_s` for the first, then
-        `wait_s` more for the rest. A job on its last retry runs alone (`alone_ok`: this worker
-        holds nothing), so that if it kills this worker too, it alone is to blame."""
-        if limit <= 0:
+    def take(self, limit: int, wait_s: float, block_s: float, alone_ok: bool = True, held: int = 0) -> list[Job]:
+        """Up to `limit` jobs, most urgent queue first, and past them up to `held` offered to this
+        worker (Engine.held_slots): wait up to `block_s` for the first, then `wait_s` more for the
+        rest. A job on its last retry runs alone (`alone_ok`: this worker holds nothing), so that if
+        it kills this worker too, it alone is to blame."""
+        if limit <= 0 and held <= 0:
             return []
-        taken = self._take_now(limit, alone_ok)
+        taken = self._take_now(limit, alone_ok, held)
         if not taken and block_s > 0:
             block_until = time.monotonic() + block_s
             self._wait_for_work(min(block_s, self.offer_lapses_s or block_s))
@@ -452,7 +468,7 @@ class JobQueue:
             return None
         return "own" if job.offer == self.worker_id else "other"
 
-    def _take_now(self, limit: int, alone_ok: bool) -> list[tuple[bytes, bytes]]:
+    def _take_now(self, limit: int, alone_ok: bool, held: int = 0) -> list[tuple[bytes, bytes]]:
         """(job JSON, its record of written tokens) for each job taken."""
         isolated, raws, records, passed, lapse_ms, retried = self._take_script(
             keys=[*keys.queues(self.model), self._processing, self._wake],
@@ -460,7 +476,7 @@ class JobQueue:
                   keys.drained_prefix(self.model), DRAINED_TTL_S, keys.lease(self.model, ""), self.worker_id,
                   LEASE_TTL_S, keys.written(self.model, ""), self.numerics, keys.written_by(self.model, ""),
                   keys.live_numerics(self.model, ""), PASS_OVER_AT_MOST, keys.heartbeat(self.model, ""),
-                  int(self.beat_late_s * 1000)])
+                  int(self.beat_late_s * 1000), held])
         self.offer_lapses_s = lapse_ms / 1000 if lapse_ms else None
         self.retried.update(map(_text, retried))
         if isolated:

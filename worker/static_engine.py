@@ -66,6 +66,9 @@ class StaticEngine:
     def free_slots(self) -> int:
         return 0 if self._running else self.capacity - len(self._waiting)
 
+    def held_slots(self) -> int:
+        return 0  # it starts nothing while a batch runs
+
     def add(self, job: Job, written: Optional[list[int]] = None, constraint=None) -> Sequence:
         # It announces no features (WorkerInfo.features), so the API sends it no such job; one that
         # comes all the same (an API of another version) is refused, not written unconstrained.

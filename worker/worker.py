@@ -160,13 +160,15 @@ class Worker:
         took = 0
         for _ in range(ADMIT_ROUNDS):
             room = self.engine.free_slots()
-            if not room or (self.queue.isolated and self._running_alone()):
+            # Past those, a turn of a conversation this worker holds (the API offered it here).
+            held = 0 if stopping or not self.engine.busy else self.engine.held_slots()
+            if not (room or held) or (self.queue.isolated and self._running_alone()):
                 break
             taken = self.queue.take(room, max(0.0, fill_until - time.monotonic()), block,
-                                    alone_ok=not self.engine.busy)
+                                    alone_ok=not self.engine.busy, held=held)
             self._add(taken)
             took += len(taken)
-            if len(taken) < room:  # the queue is empty
+            if len(taken) < room or not room:  # the queue is empty, or only held turns were asked for
                 break
             block = 0
         return took

@@ -74,6 +74,10 @@ class BlockManager:
         self.hits += len(matched) * self.block_size
         return len(matched) * self.block_size
 
+    def cached(self, tokens: list[int]) -> int:
+        """How many leading tokens of `tokens` the cache holds now: what allocate() would reuse."""
+        return len(self._match(tokens)) * self.block_size
+
     def grow(self, table: BlockTable, tokens: int) -> bool:
         """Make room for `tokens` tokens in all; False (nothing taken) if the pool is out of blocks."""
         needed = self.blocks_for(tokens) - len(table.blocks)

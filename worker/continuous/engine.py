@@ -109,6 +109,20 @@ class ContinuousEngine:
         fit = min(math.ceil(budget / cost), blocks // self.blocks.blocks_for(math.ceil(cost)))
         return max(0, min(room, fit))
 
+    def held_slots(self) -> int:
+        """How many jobs offered to this worker to take beyond free_slots: 1 while the next step has
+        prompt tokens for one that is shorter than every prompt under way, nothing it took is still
+        unstarted, and the cache and the batch have room. The API offers a job here because this
+        worker's prefix cache holds its conversation (api/routing.py), so what it costs is its new
+        turn, and the scheduler starts it before longer prompts (shortest rest first); by
+        free_slots' count it would wait in Redis for all of them. One a take is enough: a take
+        precedes every step, and turns come far slower than steps."""
+        s = self.scheduler
+        live = [r for r in s.running if not r.finished]
+        if any(not r.finished for r in s.waiting) or len(live) >= s.max_running:
+            return 0
+        return int(s.short_budget() > 0 and self.blocks.free - self._margin > 0)
+
     def _learn_start_cost(self) -> None:
         """What the requests admitted since the last call computed of their prompts: their length
         (a resumed job's written tokens included: they are prefilled with its prompt), less the

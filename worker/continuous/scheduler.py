@@ -13,8 +13,14 @@ margin, so that running requests can still grow. When it has not (the pool ran o
 decoding), the newest running request is set back: its blocks are freed and it waits, first in
 line, to be prefilled again with what it wrote so far. The last running request is never set back.
 
-Two orders: `fifo` serves decodes first, then ongoing prefills, then new requests by arrival;
-`prefill-first` serves prefills (ongoing, then new) first and decodes with what budget is left.
+Two orders: `fifo` serves decodes first, then prompts; `prefill-first` serves prompts first and
+decodes with what budget is left. Under both, the prompts' budget goes to the prompts under way and
+the new requests by the rest each has to compute (what the prefix cache does not hold), shortest
+first, new requests in their order: an NPC conversation's next turn, whose history this worker
+holds, is a few dozen tokens, and waited behind another conversation read from its start (a
+thousand and more) when prompts went by arrival (docs/scaling.md, a paused worker). The oldest
+prompt under way keeps half the budget (all of it that it needs, up to half), so short ones
+arriving step after step never stop it.
 """
 from __future__ import annotations
 
@@ -85,11 +91,9 @@ class Scheduler:
             budget = self._decodes(plan, budget)
             if plan:  # others are decoding: prompts get a share that keeps their streams flowing
                 budget = min(budget, self.prompt_share(len(plan)))
-            budget = self._prefills(plan, budget)
-            self._admit(plan, budget)
+            self._prompts(plan, budget)
         else:
-            budget = self._prefills(plan, budget)
-            budget = self._admit(plan, budget)
+            budget = self._prompts(plan, budget)
             self._decodes(plan, budget)
         plan.sort(key=lambda item: not is_decode(*item))  # stable: one-token decodes first
         return plan
@@ -125,17 +129,31 @@ class Scheduler:
         return dropped
 
     def start_budget(self) -> int:
-        """Prompt tokens the next step has for requests that start in it, by schedule()'s own rule:
-        what decodes leave (fifo: and the prompts' share beside them), less the ongoing prompts'."""
-        live = [r for r in self.running if not r.finished]
-        decodes = sum(1 for r in live if r.status is Status.DECODING)
-        prefills = sum(r.to_compute for r in live if r.status is Status.PREFILLING)
+        """Prompt tokens the next step has for a request that starts in it and has at least as much
+        to compute as every prompt under way, by schedule()'s own rule: the prompts' budget (fifo:
+        what decodes leave, and their share beside them) less what those prompts have left."""
+        prefills = sum(r.to_compute for r in self.running if r.status is Status.PREFILLING and not r.finished)
+        return self._prompt_budget() - prefills
+
+    def short_budget(self) -> int:
+        """Prompt tokens the next step has for a request that starts in it with less to compute than
+        every prompt under way: the prompts' budget less what the oldest of them keeps."""
+        budget = self._prompt_budget()
+        return budget - self._kept(budget)
+
+    def _prompt_budget(self) -> int:
+        decodes = sum(1 for r in self.running if r.status is Status.DECODING and not r.finished)
         budget = self.max_batch_tokens
         if self.policy == "fifo":  # decodes go first, and leave prompts a share beside them
             budget -= decodes
             if decodes:
                 budget = min(budget, self.prompt_share(decodes))
-        return budget - prefills  # ongoing prompts go before new ones, under both policies
+        return budget
+
+    def _kept(self, budget: int) -> int:
+        """What the oldest prompt under way keeps of the prompts' `budget`: up to half."""
+        oldest = next((r for r in self.running if r.status is Status.PREFILLING and not r.finished), None)
+        return min(oldest.to_compute, budget // 2) if oldest else 0
 
     def finish(self, req: Request) -> None:
         """A request left (finished or cancelled): its blocks go back at once."""
@@ -176,38 +194,68 @@ class Scheduler:
                 budget -= count
         return budget
 
-    def _prefills(self, out: list, budget: int) -> int:
-        for req in [r for r in self.running if r.status is Status.PREFILLING]:
-            if budget <= 0:
+    def _prompts(self, out: list, budget: int) -> int:
+        """The prompts' `budget`. The oldest prompt under way (or else the first in line, which
+        starts) keeps up to half; the rest goes to whichever has least left to compute: the prompt
+        under way with the shortest rest, or the first in line (its rest found by looking its
+        prompt up in the prefix cache). New requests keep their order among themselves, as the
+        queue gave them, and start only while the cache has room (_start). Returns what is left."""
+        chunks: dict[Request, int] = {}  # the plan's prompt chunks, in the order given
+        self._drop_cancelled()
+        ongoing = [r for r in self.running if r.status is Status.PREFILLING]
+        line = deque(self.waiting)
+        starting = True  # until a new request finds no room: those behind it wait too
+        if line and budget > 0 and not ongoing:
+            starting = self._start(line.popleft())
+            ongoing += self.running[-1:] if starting else []
+        if ongoing:
+            chunks[ongoing[0]] = self._kept(budget)
+            budget -= chunks[ongoing[0]]
+        rests = {r: r.to_compute - chunks.get(r, 0) for r in ongoing}  # by arrival: ties go to the older
+        while budget > 0:
+            shortest = min(rests, key=rests.get, default=None)
+            head = line[0] if line and starting else None
+            if head is not None and (shortest is None or len(head.tokens) - self._cached(head) < rests[shortest]):
+                line.popleft()
+                starting = self._start(head)
+                if not starting:
+                    continue
+                req, rest = head, head.to_compute
+            elif shortest is not None:
+                req, rest = shortest, rests.pop(shortest)
+            else:
                 break
-            chunk = min(req.to_compute, budget)
-            out.append((req, chunk))
+            chunk = min(rest, budget)
+            chunks[req] = chunks.get(req, 0) + chunk
             budget -= chunk
+        out += [(req, n) for req, n in chunks.items() if n > 0]
         return budget
 
-    def _admit(self, out: list, budget: int) -> int:
+    def _cached(self, req: Request) -> int:
+        return self.blocks.cached(req.tokens) if req.prefix_cache else 0
+
+    def _drop_cancelled(self) -> None:
+        for req in [r for r in self.waiting if r.finished]:  # cancelled while they waited
+            self.waiting.remove(req)
+            req.status = Status.FINISHED
+
+    def _start(self, req: Request) -> bool:
+        """Admit a waiting request, if the cache has room for it (plus a margin while others run) and
+        the batch for one more: it is prefilling from the step on."""
         # Right after a preemption the pool is short: admitting now would only preempt again.
-        while (self.waiting and budget > 0 and len(self.running) < self.max_running
-               and not self._preempted_now):
-            req = self.waiting[0]
-            if req.finished:  # cancelled while it waited
-                self.waiting.popleft()
-                req.status = Status.FINISHED
-                continue
-            cached = self.blocks.allocate(req.table, req.tokens, self.margin_blocks if self.running else 0,
-                                          req.prefix_cache)
-            if cached is None:
-                break  # no room: it stays first in line
-            self.waiting.popleft()
-            req.computed = cached
-            if not req.preemptions:  # what its answer reports (usage.prompt_tokens_details)
-                req.seq.cached_tokens = min(cached, len(req.seq.prompt_ids))
-            req.status = Status.PREFILLING
-            self.running.append(req)
-            chunk = min(req.to_compute, budget)
-            out.append((req, chunk))
-            budget -= chunk
-        return budget
+        if len(self.running) >= self.max_running or self._preempted_now:
+            return False
+        cached = self.blocks.allocate(req.table, req.tokens, self.margin_blocks if self.running else 0,
+                                      req.prefix_cache)
+        if cached is None:
+            return False
+        self.waiting.remove(req)
+        req.computed = cached
+        if not req.preemptions:  # what its answer reports (usage.prompt_tokens_details)
+            req.seq.cached_tokens = min(cached, len(req.seq.prompt_ids))
+        req.status = Status.PREFILLING
+        self.running.append(req)
+        return True
 
     def _preempt(self, req: Request, scheduled: list) -> None:
         """Soft reset: free its blocks; it is prefilled again, its written tokens now prompt."""
