@@ -141,10 +141,12 @@ def run_mode(env: dict, label: str, players: int, turns: int, system: str, pause
 
 def during(rows: list[dict], window: dict) -> Optional[dict]:
     """The turns begun while a worker was paused: how many, and their times to first token; and
-    apart, those of later turns whose worker held the history (most of the prompt found cached:
-    the running worker's own conversations) and those read again (the paused worker's, taken over
-    or put back), so that what the paused worker's turns waited is seen beside the running
-    worker's own line in the same seconds."""
+    apart, of the later turns: those whose worker held the history (most of the prompt found
+    cached) and wrote their first token in the pause (the running worker's own conversations);
+    those that found it held but wrote it only after the pause (the paused worker's, which it
+    answered once back, or the running worker's that waited as long); and those read again (the
+    paused worker's, taken over or put back). So what the paused worker's turns waited is seen
+    beside the running worker's own line in the same seconds."""
     if not window:
         return None
     inside = [r for r in rows if window["from"] <= r["started"] < window["to"] and r["ttft_s"] is not None]
@@ -156,8 +158,10 @@ def during(rows: list[dict], window: dict) -> Optional[dict]:
 
     later = [r for r in inside if r["turn"] >= 1]
     held = [r for r in later if r["cached_tokens"] >= r["prompt_tokens"] / 2]
+    waited = [r for r in held if r["started"] + r["ttft_s"] >= window["to"]]
     return {"seconds": round(window["to"] - window["from"], 1), **times(inside),
-            "held": times(held), "read_again": times([r for r in later if r not in held])}
+            "held": times([r for r in held if r not in waited]), "held_after_the_pause": times(waited),
+            "read_again": times([r for r in later if r not in held])}
 
 
 def main(argv=None) -> int:
@@ -230,8 +234,10 @@ def print_paused(modes: list[dict]) -> None:
     for name, cells in (
             ("turns", [p["turns"] for p in spans]),
             ("time to first token, median / max s", [f"{p['ttft_median_s']} / {p['ttft_max_s']}" for p in spans]),
-            ("from turn 2, the history held (the running worker's): turns: median / max s",
+            ("from turn 2, the history held, first token in the pause: turns: median / max s",
              [times(p["held"]) for p in spans]),
+            ("from turn 2, the history held, first token after it: turns: median / max s",
+             [times(p["held_after_the_pause"]) for p in spans]),
             ("from turn 2, read again (the paused worker's): turns: median / max s",
              [times(p["read_again"]) for p in spans]),
             ("jobs put back after the paused worker's heartbeat expired",
