@@ -12,8 +12,10 @@ holds one conversation: a shared ~300-token system prompt, then `--turns` turns,
 words, a streamed reply of up to 80 tokens (sampled, seeded per player and turn), then 1-3 s before
 the next line; its `user` field is the player's. Each turn's time to first token, its tokens and
 `usage.prompt_tokens_details.cached_tokens` are recorded. Reported per mode: the median time to
-first token from the third turn on, tokens/s over the whole run, and the share of those turns'
-prompts found cached. Prints a table, writes <out>.json and <out>.png.
+first token from the third turn on, tokens/s over the whole run, the share of those turns'
+prompts found cached, and what Redis did per turn (INFO read around the mode, less what the idle
+stack does in as long: commands, scripts' included, bytes in and out, Redis' CPU). Prints a table,
+writes <out>.json and <out>.png.
 """
 from __future__ import annotations
 
@@ -31,6 +33,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
+import redis
+
+from bench.probes import delta, info_reply_bytes, less_background, snapshot
 from bench.prompts import make_lore, system_prompt
 from bench.report import pyplot, save_figure, write_json
 from bench.stack import stack
@@ -43,6 +48,9 @@ MODES = {"routing": {"AFFINITY_WAIT": "0.05"}, "no routing": {"AFFINITY_WAIT": "
 # --pause-s: both again, one worker stopped (SIGSTOP) mid-run
 PAUSED = {"routing, a worker paused": "routing", "no routing, a worker paused": "no routing"}
 REPLY_TOKENS = 80
+REDIS_COST = {"commands": "commands", "mget": "MGET", "bytes_in": "bytes in", "bytes_out": "bytes out",
+              "cpu_us": "CPU µs"}
+IDLE_S = 5.0  # the stack's background in Redis (heartbeats, idle polls), taken off each mode's cost
 
 
 def conversation(client, model: str, player: int, turns: int, system: str) -> list[dict]:
@@ -118,6 +126,11 @@ def run_mode(env: dict, label: str, players: int, turns: int, system: str, pause
     with stack(env, model, label=f"conversations-{label}", workers=2,
                worker_env=[{"TORCH_THREADS": "1", "METRICS_PORT": port} for port in ports]) as running:
         client = openai.OpenAI(base_url=running.url, api_key="-", timeout=600, max_retries=0)
+        server = redis.Redis(port=running.redis_port)
+        info_bytes = info_reply_bytes(server)
+        idle = snapshot(server)
+        time.sleep(IDLE_S)
+        idle, before = delta(idle, snapshot(server), info_bytes), snapshot(server)
         started, window = time.monotonic(), {}
         with ThreadPoolExecutor(players + 1) as pool:
             if pause_s:  # a third of the way into a run of ~turns x 8 s
@@ -125,8 +138,14 @@ def run_mode(env: dict, label: str, players: int, turns: int, system: str, pause
             rows = [row for rows in pool.map(lambda p: conversation(client, running.model, p, turns, system),
                                              range(players)) for row in rows]
         seconds = time.monotonic() - started
+        used = less_background(delta(before, snapshot(server), info_bytes), idle)
         offers = offer_waits([scrape(f"http://127.0.0.1:{port}/metrics") for port in ports])
     done = [r for r in rows if "error" not in r]
+    # What Redis did for a turn (commands run inside scripts counted, as Redis counts them).
+    redis_per_turn = {"commands": round(sum(used["calls"].values()) / len(done), 1),
+                      "mget": round(used["calls"].get("mget", 0) / len(done), 2),
+                      "bytes_in": round(used["net_in"] / len(done)), "bytes_out": round(used["net_out"] / len(done)),
+                      "cpu_us": round(used["cpu_s"] * 1e6 / len(done))} if done else None
     later = [r for r in done if r["turn"] >= 2 and r["ttft_s"] is not None]
     by_turn = {t: statistics.median([r["ttft_s"] for r in done if r["turn"] == t and r["ttft_s"] is not None] or [0])
                for t in range(turns)}
@@ -136,6 +155,7 @@ def run_mode(env: dict, label: str, players: int, turns: int, system: str, pause
             "cached_share_from_turn_3": round(sum(r["cached_tokens"] for r in later)
                                               / max(1, sum(r["prompt_tokens"] for r in later)), 3),
             "ttft_median_by_turn_s": by_turn, "offers": offers, "paused": during(done, window),
+            "redis_per_turn": redis_per_turn,
             "rows": [{k: v for k, v in r.items() if k != "started"} for r in rows]}
 
 
@@ -197,6 +217,8 @@ def main(argv=None) -> int:
     print(f"| prompt tokens found cached, turns 3+ | {on['cached_share_from_turn_3']:.0%} | "
           f"{off['cached_share_from_turn_3']:.0%} | | |")
     print(f"| errors | {on['errors']} | {off['errors']} | | |")
+    cost = lambda m: " / ".join(str(m["redis_per_turn"][k]) for k in REDIS_COST)  # noqa: E731
+    print(f"| Redis per turn: {' / '.join(REDIS_COST.values())} | {cost(on)} | {cost(off)} | | |")
     if args.pause_s:
         print_paused([results[label] for label in PAUSED])
     offers = on["offers"]
