@@ -153,7 +153,7 @@ class Scheduler:
     def _kept(self, budget: int) -> int:
         """What the oldest prompt under way keeps of the prompts' `budget`: up to half."""
         oldest = next((r for r in self.running if r.status is Status.PREFILLING and not r.finished), None)
-        return min(oldest.to_compute, budget // 2) if oldest else 0
+        return max(0, min(oldest.to_compute, budget // 2)) if oldest else 0  # none of a spent budget
 
     def finish(self, req: Request) -> None:
         """A request left (finished or cancelled): its blocks go back at once."""
