@@ -217,7 +217,10 @@ def main(argv=None) -> int:
     print(f"| prompt tokens found cached, turns 3+ | {on['cached_share_from_turn_3']:.0%} | "
           f"{off['cached_share_from_turn_3']:.0%} | | |")
     print(f"| errors | {on['errors']} | {off['errors']} | | |")
-    cost = lambda m: " / ".join(str(m["redis_per_turn"][k]) for k in REDIS_COST) if m["redis_per_turn"] else "-"  # noqa: E731
+    def cost(mode: dict) -> str:
+        per_turn = mode["redis_per_turn"]
+        return " / ".join(str(per_turn[k]) for k in REDIS_COST) if per_turn else "-"
+
     print(f"| Redis per turn: {' / '.join(REDIS_COST.values())} | {cost(on)} | {cost(off)} | | |")
     if args.pause_s:
         print_paused([results[label] for label in PAUSED])
