@@ -89,8 +89,7 @@ class ContinuousEngine:
         """
         s = self.scheduler
         self._learn_start_cost()
-        live = [r for r in s.running if not r.finished]
-        waiting = [r for r in s.waiting if not r.finished]
+        live, waiting = self._unfinished()
         room = s.max_running - len(live) - len(waiting)
         budget, blocks = s.start_budget(), self.blocks.free - self._margin
         # Held, not started: the next step starts them first. Their share of the prompt found in the
@@ -117,11 +116,15 @@ class ContinuousEngine:
         turn, and the scheduler starts it before longer prompts (shortest rest first); by
         free_slots' count it would wait in Redis for all of them. One a take is enough: a take
         precedes every step, and turns come far slower than steps."""
-        s = self.scheduler
-        live = [r for r in s.running if not r.finished]
-        if any(not r.finished for r in s.waiting) or len(live) >= s.max_running:
+        live, waiting = self._unfinished()
+        if waiting or len(live) >= self.scheduler.max_running:
             return 0
-        return int(s.short_budget() > 0 and self.blocks.free - self._margin > 0)
+        return int(self.scheduler.short_budget() > 0 and self.blocks.free - self._margin > 0)
+
+    def _unfinished(self) -> tuple[list[Request], list[Request]]:
+        """The scheduler's running and waiting requests, less those finished or cancelled."""
+        s = self.scheduler
+        return [r for r in s.running if not r.finished], [r for r in s.waiting if not r.finished]
 
     def _learn_start_cost(self) -> None:
         """What the requests admitted since the last call computed of their prompts: their length

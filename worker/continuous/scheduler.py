@@ -45,6 +45,12 @@ MIN_PROMPT_SHARE = 16
 FILL_ATTENTION = 32768
 
 
+def _kept(oldest: Request, budget: int) -> int:
+    """What the oldest prompt under way keeps of the prompts' `budget`: up to half (none of a spent
+    budget)."""
+    return max(0, min(oldest.to_compute, budget // 2))
+
+
 def is_decode(req: Request, count: int) -> bool:
     """A plan's item that is one decoding token (the model runner's decode rows), not a chunk."""
     return count == 1 and req.status is Status.DECODING
@@ -139,7 +145,8 @@ class Scheduler:
         """Prompt tokens the next step has for a request that starts in it with less to compute than
         every prompt under way: the prompts' budget less what the oldest of them keeps."""
         budget = self._prompt_budget()
-        return budget - self._kept(budget)
+        oldest = next((r for r in self.running if r.status is Status.PREFILLING and not r.finished), None)
+        return budget - (_kept(oldest, budget) if oldest else 0)
 
     def _prompt_budget(self) -> int:
         decodes = sum(1 for r in self.running if r.status is Status.DECODING and not r.finished)
@@ -149,11 +156,6 @@ class Scheduler:
             if decodes:
                 budget = min(budget, self.prompt_share(decodes))
         return budget
-
-    def _kept(self, budget: int) -> int:
-        """What the oldest prompt under way keeps of the prompts' `budget`: up to half."""
-        oldest = next((r for r in self.running if r.status is Status.PREFILLING and not r.finished), None)
-        return max(0, min(oldest.to_compute, budget // 2)) if oldest else 0  # none of a spent budget
 
     def finish(self, req: Request) -> None:
         """A request left (finished or cancelled): its blocks go back at once."""
@@ -209,14 +211,18 @@ class Scheduler:
             starting = self._start(line.popleft())
             ongoing += self.running[-1:] if starting else []
         if ongoing:
-            chunks[ongoing[0]] = self._kept(budget)
+            chunks[ongoing[0]] = _kept(ongoing[0], budget)
             budget -= chunks[ongoing[0]]
         rests = {r: r.to_compute - chunks.get(r, 0) for r in ongoing}  # by arrival: ties go to the older
+        head_rest = None  # the first in line's, looked up once
         while budget > 0:
             shortest = min(rests, key=rests.get, default=None)
             head = line[0] if line and starting else None
-            if head is not None and (shortest is None or len(head.tokens) - self._cached(head) < rests[shortest]):
+            if head is not None and head_rest is None:
+                head_rest = len(head.tokens) - self._cached(head)
+            if head is not None and (shortest is None or head_rest < rests[shortest]):
                 line.popleft()
+                head_rest = None
                 starting = self._start(head)
                 if not starting:
                     continue
