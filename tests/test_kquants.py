@@ -150,9 +150,10 @@ def test_the_avx2_build_writes_the_native_builds_bits(tensors):
 
 
 def _same_bits_on_and_off(switch, module, tensors, sizes, seed):
-    """Each type's product at each size with a kernel `switch` (kquant_tiles, kquant_columns) on
-    equals it with the switch off; the switch is left on."""
+    """Each type's product at each size with a kernel `switch` (kquant_tiles, kquant_columns,
+    kquant_lone_fetch) on equals it with the switch off; the switch is left as it was."""
     g = torch.Generator().manual_seed(seed)
+    before = switch()
     try:
         for kind in TYPES:
             w = tensors[kind]
@@ -164,7 +165,18 @@ def _same_bits_on_and_off(switch, module, tensors, sizes, seed):
                 switch(False)
                 assert torch.equal(on, module.kquant_linear(x[:size], packed, w.code)), (kind, size)
     finally:
-        switch(True)
+        switch(before)
+
+
+def test_a_lone_rows_prefetches_write_the_same_bits(tensors, kernel):
+    """A pass of one row asks for its weights a few groups ahead where that pays, by default on Intel
+    CPUs only (kquants.h's LoneFetch): prefetches only, so every type's lone row writes the same bits
+    with them on and off, on either build; also a step's last row met alone (9 and 17 rows)."""
+    with open("/proc/cpuinfo") as f:
+        intel = "GenuineIntel" in f.read()
+    assert kernel.kquant_lone_fetch() is intel
+    _same_bits_on_and_off(kernel.kquant_lone_fetch, kernel, tensors, (1, 9, 17), seed=8)
+    assert kernel.kquant_lone_fetch() is intel
 
 
 def test_the_amx_tiles_write_the_vnni_kernels_bits(tensors):

@@ -46,6 +46,7 @@
 
 #ifdef STORYTELLER_KQUANTS
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -169,6 +170,24 @@ static inline Ints high_bits(const uint8_t* h) {
 // docs/serving.md: 1.41x at 9 rows, 1.12x at 24, 1.05x at 32, 1.01x at 48, 0.99x at 64, 0.91x at 256).
 constexpr int64_t DIRECT_ROWS = 32;
 constexpr int64_t AHEAD = 8;  // groups ahead whose weights are prefetched (~2-3 KB)
+// A lone row's pass asks for its weights LONE_AHEAD groups on where that pays, which depends on the
+// CPU (docs/serving.md, "A lone row's prefetches, by CPU"): on an Intel Xeon (AVX-512 VNNI, AMX)
+// 1.10-1.15x with every line of a group fetched 4-8 groups ahead, 1.06x with half of them, nothing
+// at 16 groups; on a Zen 4 none at all ran 1.06x faster than 8 ahead in minutes when memory was
+// fast (there the ~65 instructions a group hold the pass, and 5 prefetches are 5 more), and the same
+// when it was slow. So on by default on Intel CPUs only; `kquant_lone_fetch` turns it (no bits change).
+constexpr int64_t LONE_AHEAD = 4;
+struct LoneFetch {
+  std::atomic<bool> enabled{intel()};
+  static bool intel() {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel");
+  }
+};
+static inline LoneFetch& lone_fetch() {
+  static LoneFetch f;
+  return f;
+}
 
 // One group of a panel made ready for the products: its 8 vectors of weights as bytes u (vector
 // 2j: weights 4j.., 2j + 1: 16 + 4j.., 4 bytes a feature), its scales as floats.
@@ -207,17 +226,17 @@ static inline void group_scales(const uint8_t* w, Floats d, Floats dmin, Floats&
   pin(scale), pin(scale2), pin(minimum);  // as a Group made ready holds them: every path multiplies these values
 }
 
-// The weights stream through once (a few rows a step): ask for those a few groups ahead.
-template <int T>
+// The weights stream through once (a few rows a step): ask for those N groups ahead, every line.
+template <int T, int64_t N = AHEAD>
 static inline void prefetch_ahead(const uint8_t* w) {
-  for (int64_t line = 0; AHEAD && line < Format<T>::group; line += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(w + AHEAD * Format<T>::group + line), _MM_HINT_T0);
+  for (int64_t line = 0; N && line < Format<T>::group; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(w + N * Format<T>::group + line), _MM_HINT_T0);
 }
 
 // Walks a panel's G groups (w: the panel's bytes), calling visit(g, the group's bytes, d, dmin),
-// d and dmin from the header of the group's superblock; with FETCH, asking for the weights AHEAD
-// groups on as it goes.
-template <int T, bool FETCH = true, typename Visit>
+// d and dmin from the header of the group's superblock; asking for the weights N groups on as it
+// goes (0: for none).
+template <int T, int64_t N = AHEAD, typename Visit>
 static inline void each_group(const uint8_t* w, int64_t G, const Visit& visit) {
   using F = Format<T>;
   Floats d = zerof(), dmin = zerof();
@@ -227,7 +246,7 @@ static inline void each_group(const uint8_t* w, int64_t G, const Visit& visit) {
       if (F::minimum) dmin = halves16(w + 32);
       w += F::header;
     }
-    if constexpr (FETCH) prefetch_ahead<T>(w);
+    if constexpr (N > 0) prefetch_ahead<T, N>(w);
     visit(g, w, d, dmin);
     w += F::group;
   }
@@ -316,14 +335,12 @@ struct GroupSums {
 // of a few rows, whose weights stream by once (storing each group's bytes and reading them back cost more than the products at
 // one row: a store of 64 bytes takes two cycles on Zen 4).
 //
-// A lone row asks for nothing ahead: the core's own prefetchers keep up with its stream, and its ~65
-// instructions a group are what holds it where memory is fast, so 5 prefetches fewer pay (A/Bs on
-// the Qwen-shaped file's layers on a Zen 4, docs/serving.md: 1.06-1.10x in minutes when memory read
-// ~58 GB/s, 1.00-1.03x when it read ~35). Two rows and more keep them, unmeasured at 2 and 3: at 4
-// rows a pass without them ran 0.84x.
+// Two rows and more ask for the weights AHEAD groups on (unmeasured at 2 and 3: at 4 rows a pass
+// without them ran 0.84x on a Zen 4, and 4 ahead instead of 8 0.97-0.99x on a Xeon). A lone row
+// asks LONE_AHEAD on where lone_fetch() says, and for nothing otherwise (above).
 template <int T, int R>
 static inline void rows_direct(const Activations& a, int64_t r0, const uint8_t* w, Floats* acc) {
-  each_group<T, /*FETCH=*/(R > 1)>(w, a.G, [&](int64_t g, const uint8_t* group, Floats d, Floats dmin) {
+  const auto visit = [&](int64_t g, const uint8_t* group, Floats d, Floats dmin) {
     GroupSums<T, R> sums(a, r0, g);
     Ints lo, hi;
     block_u<T, 0>(group, lo, hi), sums.template block<0>(lo, hi);
@@ -333,7 +350,10 @@ static inline void rows_direct(const Activations& a, int64_t r0, const uint8_t* 
     Floats scale, scale2, minimum;
     group_scales<T>(group, d, dmin, scale, scale2, minimum);
     sums.end(scale, scale2, minimum, acc);
-  });
+  };
+  if constexpr (R > 1) each_group<T, AHEAD>(w, a.G, visit);
+  else if (lone_fetch().enabled.load(std::memory_order_relaxed)) each_group<T, LONE_AHEAD>(w, a.G, visit);
+  else each_group<T, 0>(w, a.G, visit);
 }
 
 // Rows r0..r0 + R of x against one panel, into out [R, 16] floats.
@@ -649,6 +669,14 @@ static bool kquant_tiles(c10::optional<bool> enable, c10::optional<int64_t> rows
 #else
   return false;
 #endif
+}
+
+// Whether a K-quant pass of one row asks for its weights a few groups ahead (LoneFetch), after
+// turning it on or off if `enable` is given. Prefetches only, the same bits: for tests and A/Bs.
+static bool kquant_lone_fetch(c10::optional<bool> enable) {
+  auto& on = kquants::lone_fetch().enabled;
+  if (enable) on = *enable;
+  return on;
 }
 
 // Whether a K-quant step of many rows takes the AVX2 kernel of 8 rows a vector (kquants_avx2.h),
