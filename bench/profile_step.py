@@ -11,8 +11,8 @@ is also split by timing its parts alone on the same shapes: the layers' products
 every Linear of the model on `batch` rows), the head, the sampler (a row of the vocabulary per request), and the
 rest (attention, norms, rotary, the engine's Python) as what the step takes beyond them. On a CPU
 with AMX tiles, the K-quant products of many rows take them (the same bits), a product's threads
-with no piece left fetch the next product's first bytes (the same bits), and on an Intel CPU a lone
-row's K-quant pass prefetches its weights (the same bits); each timed step and the products are
+with no piece left fetch the next product's first bytes (the same bits), and on an Intel CPU a K-quant
+pass of 1-4 rows prefetches its weights further ahead (the same bits); each timed step and the products are
 then also timed with each of these off, in turn, and the table says both.
 
     python -m bench.profile_step --model path/to/model.Q4_K_M.gguf --batches 1 64 --threads 2 --out docs/results/profile-big
@@ -37,7 +37,7 @@ from worker.model_loader import load
 
 # The kernels' switches a step is also timed without (their module's function: on/off, or the state).
 SWITCHES = {"AMX tiles": "kquant_tiles", "AVX2 columns": "kquant_columns", "fetch ahead": "fetch_ahead",
-            "lone row's prefetch": "kquant_lone_fetch"}
+            "few rows' prefetch": "kquant_few_rows_fetch"}
 # Steps an engine takes after it is filled and timed: the profiled ones.
 PROFILED_STEPS = 3
 

@@ -151,7 +151,7 @@ def test_the_avx2_build_writes_the_native_builds_bits(tensors):
 
 def _same_bits_on_and_off(switch, module, tensors, sizes, seed):
     """Each type's product at each size with a kernel `switch` (kquant_tiles, kquant_columns,
-    kquant_lone_fetch) on equals it with the switch off; the switch is left as it was."""
+    kquant_few_rows_fetch) on equals it with the switch off; the switch is left as it was."""
     g = torch.Generator().manual_seed(seed)
     before = switch()
     try:
@@ -168,15 +168,16 @@ def _same_bits_on_and_off(switch, module, tensors, sizes, seed):
         switch(before)
 
 
-def test_a_lone_rows_prefetches_write_the_same_bits(tensors, kernel):
-    """A pass of one row asks for its weights a few groups ahead where that pays, by default on Intel
-    CPUs only (kquants.h's LoneFetch): prefetches only, so every type's lone row writes the same bits
-    with them on and off, on either build; also a step's last row met alone (9 and 17 rows)."""
+def test_a_few_rows_prefetches_write_the_same_bits(tensors, kernel):
+    """A pass of 1-4 rows asks for its weights further ahead where that pays, by default on Intel
+    CPUs only (kquants.h's FewRowsFetch): prefetches only, so every type's product writes the same
+    bits with them on and off, on either build: a lone row, a few, and steps whose last rows are met
+    apart (9 and 17 rows)."""
     with open("/proc/cpuinfo") as f:
         intel = "GenuineIntel" in f.read()
-    assert kernel.kquant_lone_fetch() is intel
-    _same_bits_on_and_off(kernel.kquant_lone_fetch, kernel, tensors, (1, 9, 17), seed=8)
-    assert kernel.kquant_lone_fetch() is intel
+    assert kernel.kquant_few_rows_fetch() is intel
+    _same_bits_on_and_off(kernel.kquant_few_rows_fetch, kernel, tensors, (1, 2, 3, 4, 6, 9, 17), seed=8)
+    assert kernel.kquant_few_rows_fetch() is intel
 
 
 def test_the_amx_tiles_write_the_vnni_kernels_bits(tensors):

@@ -170,24 +170,26 @@ static inline Ints high_bits(const uint8_t* h) {
 // docs/serving.md: 1.41x at 9 rows, 1.12x at 24, 1.05x at 32, 1.01x at 48, 0.99x at 64, 0.91x at 256).
 constexpr int64_t DIRECT_ROWS = 32;
 constexpr int64_t AHEAD = 8;  // groups ahead whose weights are prefetched (~2-3 KB)
-// A lone row's pass asks for its weights LONE_AHEAD groups on where that pays, which depends on the
-// CPU (docs/serving.md, "A lone row's prefetches, by CPU"): on an Intel Xeon (AVX-512 VNNI, AMX)
-// 1.10-1.15x with every line of a group fetched 4-8 groups ahead, 1.06x with half of them, nothing
-// at 16 groups; on a Zen 4 none at all ran 1.06x faster than 8 ahead in minutes when memory was
-// fast (there the ~65 instructions a group hold the pass, and 5 prefetches are 5 more), and the same
-// when it was slow. So on by default on Intel CPUs only; `kquant_lone_fetch` turns it (no bits change).
-// With it, every line LONE_FAR groups on toward L2 too: 1.02-1.03x more on the Xeon (21 rounds of 21).
+// A pass of a few rows asks for its weights further ahead where that pays, which depends on the CPU
+// (docs/serving.md, "A lone row's prefetches, by CPU"). On an Intel Xeon (AVX-512 VNNI, AMX), a lone
+// row: every line of a group 4 groups on (into L1) 1.10-1.15x against none (4-8 on, the same;
+// half the lines 1.06x; 16 on nothing), and every line 32 on toward L2 as well, 1.04-1.06x more;
+// 2-4 rows: 32 on toward L2 beside their 8 on, 1.06-1.12x (6 and 8 rows: 0.96-1.01x, so not there).
+// On a Zen 4 a lone row with none ran 1.06x faster than with 8 on in minutes when memory was fast
+// (there its ~65 instructions a group hold the pass, and 5 prefetches are 5 more), the same when it
+// was slow. So on by default on Intel CPUs only; `kquant_few_rows_fetch` turns it (no bits change).
 constexpr int64_t LONE_AHEAD = 4;
-constexpr int64_t LONE_FAR = 32;
-struct LoneFetch {
+constexpr int64_t FEW_FAR = 32;
+constexpr int R_FEW = 4;  // the most rows a pass asks FEW_FAR on for
+struct FewRowsFetch {
   std::atomic<bool> enabled{intel()};
   static bool intel() {
     __builtin_cpu_init();
     return __builtin_cpu_is("intel");
   }
 };
-static inline LoneFetch& lone_fetch() {
-  static LoneFetch f;
+static inline FewRowsFetch& few_rows_fetch() {
+  static FewRowsFetch f;
   return f;
 }
 
@@ -340,8 +342,9 @@ struct GroupSums {
 // one row: a store of 64 bytes takes two cycles on Zen 4).
 //
 // Two rows and more ask for the weights AHEAD groups on (unmeasured at 2 and 3: at 4 rows a pass
-// without them ran 0.84x on a Zen 4, and 4 ahead instead of 8 0.97-0.99x on a Xeon). A lone row
-// asks LONE_AHEAD (and LONE_FAR) on where lone_fetch() says, and for nothing otherwise (above).
+// without them ran 0.84x on a Zen 4, and 4 ahead instead of 8 0.97-0.99x on a Xeon), and up to R_FEW
+// rows FEW_FAR on too where few_rows_fetch() says. A lone row asks LONE_AHEAD and FEW_FAR on where
+// it says, and for nothing otherwise (above).
 template <int T, int R>
 static inline void rows_direct(const Activations& a, int64_t r0, const uint8_t* w, Floats* acc) {
   const auto visit = [&](int64_t g, const uint8_t* group, Floats d, Floats dmin) {
@@ -355,9 +358,16 @@ static inline void rows_direct(const Activations& a, int64_t r0, const uint8_t* 
     group_scales<T>(group, d, dmin, scale, scale2, minimum);
     sums.end(scale, scale2, minimum, acc);
   };
-  if constexpr (R > 1) each_group<T, AHEAD>(w, a.G, visit);
-  else if (lone_fetch().enabled.load(std::memory_order_relaxed)) each_group<T, LONE_AHEAD, LONE_FAR>(w, a.G, visit);
-  else each_group<T, 0>(w, a.G, visit);
+  const bool further = R <= R_FEW && few_rows_fetch().enabled.load(std::memory_order_relaxed);
+  if constexpr (R == 1) {
+    if (further) each_group<T, LONE_AHEAD, FEW_FAR>(w, a.G, visit);
+    else each_group<T, 0>(w, a.G, visit);
+  } else if constexpr (R <= R_FEW) {
+    if (further) each_group<T, AHEAD, FEW_FAR>(w, a.G, visit);
+    else each_group<T, AHEAD>(w, a.G, visit);
+  } else {
+    each_group<T, AHEAD>(w, a.G, visit);
+  }
 }
 
 // Rows r0..r0 + R of x against one panel, into out [R, 16] floats.
@@ -675,10 +685,10 @@ static bool kquant_tiles(c10::optional<bool> enable, c10::optional<int64_t> rows
 #endif
 }
 
-// Whether a K-quant pass of one row asks for its weights a few groups ahead (LoneFetch), after
+// Whether a K-quant pass of 1-4 rows asks for its weights further ahead (FewRowsFetch), after
 // turning it on or off if `enable` is given. Prefetches only, the same bits: for tests and A/Bs.
-static bool kquant_lone_fetch(c10::optional<bool> enable) {
-  auto& on = kquants::lone_fetch().enabled;
+static bool kquant_few_rows_fetch(c10::optional<bool> enable) {
+  auto& on = kquants::few_rows_fetch().enabled;
   if (enable) on = *enable;
   return on;
 }
