@@ -11,9 +11,9 @@ is also split by timing its parts alone on the same shapes: the layers' products
 every Linear of the model on `batch` rows), the head, the sampler (a row of the vocabulary per request), and the
 rest (attention, norms, rotary, the engine's Python) as what the step takes beyond them. On a CPU
 with AMX tiles, the K-quant products of many rows take them (the same bits), a product's threads
-with no piece left fetch the next product's first bytes (the same bits), and on an Intel CPU a K-quant
-pass of 1-4 rows prefetches its weights further ahead (the same bits); each timed step and the products are
-then also timed with each of these off, in turn, and the table says both.
+with no piece left fetch the next product's first bytes (the same bits), and on an Intel CPU a
+K-quant pass of 1-4 rows prefetches its weights further ahead (the same bits); each timed step and
+the products are then also timed with each of these off, in turn, and the table says both.
 
     python -m bench.profile_step --model path/to/model.Q4_K_M.gguf --batches 1 64 --threads 2 --out docs/results/profile-big
 """
