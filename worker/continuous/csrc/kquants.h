@@ -358,16 +358,10 @@ static inline void rows_direct(const Activations& a, int64_t r0, const uint8_t* 
     group_scales<T>(group, d, dmin, scale, scale2, minimum);
     sums.end(scale, scale2, minimum, acc);
   };
-  const bool further = R <= R_FEW && few_rows_fetch().enabled.load(std::memory_order_relaxed);
-  if constexpr (R == 1) {
-    if (further) each_group<T, LONE_AHEAD, FEW_FAR>(w, a.G, visit);
-    else each_group<T, 0>(w, a.G, visit);
-  } else if constexpr (R <= R_FEW) {
-    if (further) each_group<T, AHEAD, FEW_FAR>(w, a.G, visit);
-    else each_group<T, AHEAD>(w, a.G, visit);
-  } else {
-    each_group<T, AHEAD>(w, a.G, visit);
-  }
+  if (R <= R_FEW && few_rows_fetch().enabled.load(std::memory_order_relaxed))
+    each_group<T, R == 1 ? LONE_AHEAD : AHEAD, FEW_FAR>(w, a.G, visit);
+  else
+    each_group<T, R == 1 ? 0 : AHEAD>(w, a.G, visit);
 }
 
 // Rows r0..r0 + R of x against one panel, into out [R, 16] floats.
