@@ -16,6 +16,7 @@ import os
 import pytest
 import torch
 
+from bench.activation_grouping import per
 from shared.settings import Settings
 from worker.continuous import kernels
 from worker.continuous.gguf_reader import _read_header
@@ -50,14 +51,6 @@ def kernel(request):
     module = kernels.build(os.path.join(os.path.expanduser(Settings().cache_dir), "kernels"), request.param)
     assert module is not None and hasattr(module, "kquant_linear"), f"the {request.param} kernels did not build"
     return module
-
-
-def _rounded(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernel rounds it: per 32, to 8 bits of max|x| / 127 (ties to even), back in float64."""
-    groups = x.double().view(x.shape[0], -1, 32)
-    amax = groups.abs().amax(-1, keepdim=True)
-    q = torch.round(groups.float() * (127 / amax.float())).double()  # the kernel multiplies in float32
-    return (q * (amax.float() / 127).double()).view(x.shape)
 
 
 @pytest.mark.parametrize("kind", TYPES)
@@ -104,14 +97,15 @@ def test_a_tied_k_quant_head_is_also_the_embedding_table(family_gguf):
 
 @pytest.mark.parametrize("kind", TYPES)
 def test_the_product_is_the_float_one_of_the_rounded_activations(tensors, kernel, kind):
-    """Against float64 products of the file's weights: with x rounded as the kernel rounds it, equal
+    """Against float64 products of the file's weights: with x rounded as the kernel rounds it (the
+    rounding bench.activation_grouping measures the cost of: this holds it to the kernel's), equal
     but for float32's rounding; with x itself, within that rounding (~0.4% of a group's largest)."""
     w = tensors[kind]
     g = torch.Generator().manual_seed(2)
     x = torch.randn(9, w.shape[1], generator=g)
     y = kernel.kquant_linear(x, w.panel_packed(), w.code).double()
     ref = w.dequantize().double()
-    exact = _rounded(x) @ ref.T
+    exact = per(x, 32).double() @ ref.T
     assert ((y - exact).norm() / exact.norm()).item() < 1e-5
     float_ref = x.double() @ ref.T
     assert ((y - float_ref).norm() / float_ref.norm()).item() < 0.01
