@@ -47,7 +47,7 @@ from bench.report import cell, pyplot, save_figure, write_json
 
 OUT = Path("docs/results/activation-grouping")
 LARGEST = 127.0
-CAP = 13  # pow2row: the most halvings of the row's step (a shift of up to 13 keeps Q5's sums in int32)
+CAP = 13  # the most halvings of a block's step (csrc/kquants.h's SHIFTS: a shifted sum stays in int32)
 
 
 def _groups(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -69,28 +69,43 @@ def per(x: torch.Tensor, n: int) -> torch.Tensor:
     return (torch.round(g * inverse) * (largest / LARGEST)).reshape(x.shape)
 
 
-def shared_steps(x: torch.Tensor, block: int | None, fractions: tuple[float, ...] = (1.0,), cap: int = CAP) -> torch.Tensor:
-    """Each group of 32's step [rows, G, 1]: the block's step (its max|x| / 127; block None: the
-    row's) times f 2^-e, f one of `fractions` (in (1/2, 1]), e in 0..cap: the smallest that still
-    holds the group's largest |x| within 127 steps."""
-    g = _groups(x, 32)
-    group_max = g.abs().amax(-1, keepdim=True)
+def halvings(x: torch.Tensor, block: int | None, cap: int = CAP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per group of 32 [rows, G, 1]: e, the times the block's step (its max|x| / 127; block None: the
+    row's) is halved, at most `cap`, the most that still holds the group's largest |x| within 127
+    steps; and the block's 127 / max|x|. Reckoned in float32 as csrc/kquants.h's Activations does."""
+    group_max = _groups(x, 32).abs().amax(-1, keepdim=True)
     n = x.shape[1] if block is None else block
     block_max = _groups(x, n).abs().amax(-1, keepdim=True).repeat_interleave(n // 32, dim=1)
-    ratio = torch.where(group_max > 0, block_max / group_max, torch.ones_like(group_max))
-    e = torch.clamp(torch.floor(torch.log2(ratio)), 0, cap)
-    base = block_max / LARGEST
+    inverse = torch.where(block_max > 0, LARGEST / block_max, torch.zeros_like(block_max))
+    at_block_step = group_max * inverse
+    e = sum((at_block_step * 2.0 ** j <= LARGEST).float() for j in range(1, cap + 1))
+    return e, inverse
+
+
+def shared_steps(x: torch.Tensor, block: int | None, fractions: tuple[float, ...] = (1.0,)) -> torch.Tensor:
+    """Each group of 32's step [rows, G, 1]: the block's step times f 2^-e, f one of `fractions` (in
+    (1/2, 1]): the smallest that holds the group (with fractions (1,): the block's halved e times)."""
+    e, inverse = halvings(x, block)
+    base = torch.where(inverse > 0, 1.0 / inverse, torch.zeros_like(inverse))
+    group_max = _groups(x, 32).abs().amax(-1, keepdim=True)
     best = base * torch.pow(2.0, -e)
     for f in fractions:
-        for extra in (0, 1):  # f 2^-(e+1) may fit where f 2^-e was the next step up
-            candidate = base * f * torch.pow(2.0, -torch.clamp(e + extra, max=cap))
-            fits = candidate * LARGEST >= group_max * (1 - 1e-6)
-            best = torch.where(fits & (candidate < best), candidate, best)
+        for extra in (0, 1):  # f 2^-(e+1) may hold the group where 2^-(e+1) did not
+            candidate = base * f * torch.pow(2.0, -torch.clamp(e + extra, max=CAP))
+            best = torch.where((candidate * LARGEST >= group_max) & (candidate < best), candidate, best)
     return best
 
 
 def shared(x: torch.Tensor, block: int | None, fractions: tuple[float, ...] = (1.0,)) -> torch.Tensor:
-    return _rounded(_groups(x, 32), shared_steps(x, block, fractions)).reshape(x.shape)
+    """x rounded with per-32 steps shared from the block's. With fractions (1,) exactly as the
+    kernels round (block None): q = round(x (127 / max|x| of the row) 2^e), q times the step."""
+    g = _groups(x, 32)
+    if fractions != (1.0,):
+        return _rounded(g, shared_steps(x, block, fractions)).reshape(x.shape)
+    e, inverse = halvings(x, block)
+    step = torch.where(inverse > 0, 1.0 / inverse, torch.zeros_like(inverse))
+    q = torch.round(g * (inverse * torch.pow(2.0, e)))
+    return (q * (step * torch.pow(2.0, -e))).reshape(x.shape)
 
 
 # A scheme: how it rounds x [rows, K], and what K must be a multiple of for it.

@@ -9,18 +9,18 @@
 //   Q5_0:       S = d, M = 16 d               Q5_1: S = d, M = -m (float16 per 32)
 // d sc is exact in float32 (11 + 6 bits), so these are the file's weights bit for bit.
 //
-// The step's activations are rounded to 8 bits per group of 32, q = round(x 127 / max|x|),
-// dx = max|x| / 127 (llama.cpp rounds a K-quant's activations per 256: a finer grouping, one
-// float scale per 32 integer sums instead of one per 256, costs a multiply-add per group and
-// halves the largest rounding step within a block). Then, per group and output feature,
-//   sum_i w_i x^_i = dx (S (u . q) - M sum(q))
-// u . q is an integer sum of 32 bytes: vpdpbusd on AVX-512 VNNI, vpmaddubsw and vpmaddwd on AVX2
-// (a pair of products is at most 2 * 63 * 127, inside int16); the zero points of Q6_K and Q5_0 are
-// integers and start that sum (-32 sum(q), per 16 for Q6_K), so they cost nothing per weight;
-// M sum(q) (Q4_K, Q5_K, Q5_1) is one float multiply-add per group with sum(q) counted once a step.
-// With the rounded activations the product is exact but for float32's rounding of these few
-// terms: the only difference from the float reference is x's rounding, about 0.4% of a group's
-// largest activation.
+// The step's activations are rounded to 8 bits per group of 32 with a step that is the row's step
+// (max|x| over the row / 127) halved e times, the smallest that holds the group (Activations
+// below; llama.cpp rounds a K-quant's activations with a float step per 256, which costs more in
+// KL divergence: bench.activation_grouping). Then, per group and output feature,
+//   sum_i w_i x^_i = unit (S ((u . q) << shift) - M (sum(q) << shift)),  shift = SHIFTS - e
+// with unit = the row's step / 2^SHIFTS. u . q is an integer sum of 32 bytes: vpdpbusd on AVX-512
+// VNNI, vpmaddubsw and vpmaddwd on AVX2 (a pair of products is at most 2 * 63 * 127, inside
+// int16); the zero points of Q6_K and Q5_0 are integers and start that sum (-32 sum(q), per 16 for
+// Q6_K), so they cost nothing per weight. A group then costs one float multiply-add for its scale
+// (Q6_K: two), and one for M sum(q) (Q4_K, Q5_K, Q5_1; sum(q) << shift counted once a step), where
+// a float step per group cost a multiply more; unit multiplies each output once. With the rounded
+// activations the product is exact but for float32's rounding of these few terms.
 //
 // Why one row's result cannot depend on the others: each output is made by one thread, group
 // after group in order, with the same instructions whatever the number of rows beside it (a tile
@@ -87,12 +87,28 @@ constexpr int PAIR_ROWS = 2;
 #endif
 
 // The step's rows of x rounded to 8 bits per group of 32, with what the kernel needs per group.
+//
+// A group's step is its row's, max|x| / 127 over the whole row, halved e times (e <= SHIFTS): the
+// smallest such step that holds the group's largest |x| within 127, so q = round(x 127 / max 2^e)
+// (bench.activation_grouping measures what this costs against a float step per group: +0.0005 of
+// KL divergence on SmolLM2-135M's Q4_K_M, under llama.cpp's own per 256; docs/serving.md). The
+// kernel then shifts a group's integer sums left by SHIFTS - e, where they all count in one unit,
+// the row's step / 2^SHIFTS, and meets them with one float multiply-add a group (the weights'
+// scale) instead of a multiply for the activations' scale beside it; the row's step multiplies
+// each output once, at the end.
+constexpr int SHIFTS = 13;  // the most halvings: a shifted sum stays under 2^31 (|sum| <= 32 x 31 x 127)
+
 struct Activations {
   int64_t rows = 0, K = 0, G = 0;
-  aligned_vector<int8_t> q;      // [rows, K]
-  aligned_vector<float> dx;      // [rows, G] max|x| / 127
-  aligned_vector<float> dsum;    // [rows, G] dx sum(q): the minimum's factor
-  aligned_vector<int32_t> sums;  // [rows, 2 G] sum(q) over each half group (weights 0-15, 16-31)
+  aligned_vector<int8_t> q;        // [rows, K]
+  aligned_vector<int32_t> shift;   // [rows, G] SHIFTS - e
+  aligned_vector<float> nsum;      // [rows, G] -(sum(q) << shift): the minimum's factor, in the row's unit
+  aligned_vector<int32_t> sums;    // [rows, 2 G] sum(q) over each half group (weights 0-15, 16-31)
+  aligned_vector<float> unit;      // [rows] max|x| / 127 / 2^SHIFTS: what a shifted sum's 1 is worth
+
+  // An output of row r as the kernel sums it (in the row's unit) as a product: the only rounding
+  // after the sums.
+  Floats in_units(int64_t r, Floats acc) const { return mul(acc, splatf(unit[r])); }
 
   template <typename T>
   void fill(const T* x, int64_t rows_, int64_t K_) {
@@ -102,57 +118,78 @@ struct Activations {
     // (Only those are cleared: the step's own rows are all written below, and a step of one row
     // should not clear 16 rows' worth a product.)
     const int64_t padded = (rows + 15) / 16 * 16;
-    dx.resize(padded * G);
-    dsum.resize(padded * G);
+    shift.resize(padded * G);
+    nsum.resize(padded * G);
     sums.resize(padded * 2 * G);
-    std::fill(dx.begin() + rows * G, dx.end(), 0.f);
-    std::fill(dsum.begin() + rows * G, dsum.end(), 0.f);
+    unit.resize(padded);
+    std::fill(shift.begin() + rows * G, shift.end(), 0);
+    std::fill(nsum.begin() + rows * G, nsum.end(), 0.f);
     std::fill(sums.begin() + rows * 2 * G, sums.end(), 0);
+    std::fill(unit.begin() + rows, unit.end(), 0.f);
     at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / K), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) row(x + r * K, r);
     });
   }
 
  private:
+  // Halvings of the row's step that still hold a group whose largest |x| is `largest` (inv: 127 /
+  // the row's largest), and the multiplier that rounds it: inv 2^e, exact.
+  static inline int halvings(float largest, float inv) {
+    const float at_row_step = largest * inv;  // <= 127
+    int e = 0;
+    while (e < SHIFTS && at_row_step * static_cast<float>(2 << e) <= 127.f) ++e;
+    return e;
+  }
+
   template <typename T>
   STORYTELLER_ROW void row(const T* x, int64_t r) {
 #ifdef __AVX512F__
     if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) return row16(x, r);
 #endif
+    float row_max = 0.f;
+    for (int64_t i = 0; i < K; ++i) row_max = std::max(row_max, std::fabs(static_cast<float>(x[i])));
+    const float inv = row_max > 0.f ? 127.f / row_max : 0.f;
     for (int64_t g = 0; g < G; ++g) {
       float v[GROUP], amax = 0.f;
       for (int64_t i = 0; i < GROUP; ++i) {
         v[i] = static_cast<float>(x[g * GROUP + i]);
         amax = std::max(amax, std::fabs(v[i]));
       }
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      const int e = halvings(amax, inv);
+      const float by = std::ldexp(inv, e);
       int32_t half[2] = {0, 0};
       int8_t* out = q.data() + r * K + g * GROUP;
       for (int64_t i = 0; i < GROUP; ++i) {
-        const int32_t rounded = static_cast<int32_t>(std::nearbyint(v[i] * inv));  // to nearest, ties to even
+        const int32_t rounded = static_cast<int32_t>(std::nearbyint(v[i] * by));  // to nearest, ties to even
         out[i] = static_cast<int8_t>(rounded);
         half[i / 16] += rounded;
       }
-      keep(r, g, amax, half[0], half[1]);
+      keep(r, g, e, half[0], half[1]);
     }
+    unit[r] = std::ldexp(row_max / 127.f, -SHIFTS);
   }
 
 #ifdef __AVX512F__
-  // The same, 16 values a vector (rowwise.h): the same maximum, float32 multiply and rounding, the same bytes.
+  // The same, 16 values a vector (rowwise.h): the same maxima, float32 multiply and rounding, the same bytes.
   template <typename T>
   STORYTELLER_ROW void row16(const T* x, int64_t r) {
+    float row_max = 0.f;
+    for (int64_t g = 0; g < G; ++g) row_max = std::max(row_max, group_max32(x + g * GROUP));
+    const float inv = row_max > 0.f ? 127.f / row_max : 0.f;
     for (int64_t g = 0; g < G; ++g) {
+      const int e = halvings(group_max32(x + g * GROUP), inv);
       int32_t half0, half1;
-      const float amax = round_group32(x + g * GROUP, q.data() + r * K + g * GROUP, half0, half1);
-      keep(r, g, amax, half0, half1);
+      round32(x + g * GROUP, std::ldexp(inv, e), q.data() + r * K + g * GROUP, half0, half1);
+      keep(r, g, e, half0, half1);
     }
+    unit[r] = std::ldexp(row_max / 127.f, -SHIFTS);
   }
 #endif
 
   // What the kernel needs of row r's group g besides its bytes q.
-  void keep(int64_t r, int64_t g, float amax, int32_t half0, int32_t half1) {
-    dx[r * G + g] = amax / 127.f;
-    dsum[r * G + g] = dx[r * G + g] * static_cast<float>(half0 + half1);
+  void keep(int64_t r, int64_t g, int e, int32_t half0, int32_t half1) {
+    shift[r * G + g] = SHIFTS - e;
+    nsum[r * G + g] = -static_cast<float>((half0 + half1) * (1 << (SHIFTS - e)));
     sums[(r * G + g) * 2] = half0;
     sums[(r * G + g) * 2 + 1] = half1;
   }
@@ -327,12 +364,13 @@ struct GroupSums {
       }
     }
   }
+  // The sums in the row's unit (shifted), times the weights' scales; the minimum's term.
   inline void end(Floats scale, Floats scale2, Floats minimum, Floats* acc) const {
     for (int r = 0; r < R; ++r) {
-      const Floats dx = splatf(a.dx[at + r * a.G]);
-      acc[r] = fma(to_floats(lo_sum[r]), mul(scale, dx), acc[r]);
-      if (F::halves) acc[r] = fma(to_floats(hi_sum[r]), mul(scale2, dx), acc[r]);
-      if (F::minimum) acc[r] = fma(minimum, splatf(-a.dsum[at + r * a.G]), acc[r]);
+      const int32_t* by = a.shift.data() + at + r * a.G;
+      acc[r] = fma(to_floats(shifted(lo_sum[r], by)), scale, acc[r]);
+      if (F::halves) acc[r] = fma(to_floats(shifted(hi_sum[r], by)), scale2, acc[r]);
+      if (F::minimum) acc[r] = fma(minimum, splatf(a.nsum[at + r * a.G]), acc[r]);
     }
   }
 };
@@ -370,7 +408,7 @@ static void panel_rows(const Activations& a, int64_t r0, const uint8_t* w, float
   Floats acc[R];
   for (int r = 0; r < R; ++r) acc[r] = zerof();
   rows_direct<T, R>(a, r0, w, acc);
-  for (int r = 0; r < R; ++r) store(acc[r], out + r * LANES);
+  for (int r = 0; r < R; ++r) store(a.in_units(r0 + r, acc[r]), out + r * LANES);
 }
 
 template <int T, size_t... R>
@@ -414,7 +452,7 @@ static void pair_rows(const Activations& a, int64_t r0, const Group* groups, con
     sums.end(loadf(groups->scale), loadf(groups->scale2), loadf(groups->minimum), acc);
     next_sums.end(loadf(next->scale), loadf(next->scale2), loadf(next->minimum), next_acc);
   }
-  for (int r = 0; r < R; ++r) store(acc[r], out + r * LANES), store(next_acc[r], next_out + r * LANES);
+  for (int r = 0; r < R; ++r) store(a.in_units(r0 + r, acc[r]), out + r * LANES), store(a.in_units(r0 + r, next_acc[r]), next_out + r * LANES);
 }
 
 // Rows r0..r0 + R of x against two panels straight from their bytes (w, w + panel): every
@@ -447,7 +485,7 @@ static void pair_direct(const Activations& a, int64_t r0, const uint8_t* w, cons
     next_sums.end(scale, scale2, minimum, next_acc);
     w += F::group, w2 += F::group;
   }
-  for (int r = 0; r < R; ++r) store(acc[r], out + r * LANES), store(next_acc[r], next_out + r * LANES);
+  for (int r = 0; r < R; ++r) store(a.in_units(r0 + r, acc[r]), out + r * LANES), store(a.in_units(r0 + r, next_acc[r]), next_out + r * LANES);
 }
 
 template <int T, size_t... R>

@@ -13,8 +13,9 @@
 //
 // Why the same bits: an output's integer sums are exact whichever way they are added (a run of
 // products in int16 is as long as cannot overflow, as in lanes.h), and the float operations on
-// them are GroupSums::end's, per output and group in the same order on the same values: scale dx
-// is scale_f times dx_r either way, and the minimum's fma takes M and -dsum as there.
+// them are GroupSums::end's, per output and group in the same order on the same values: each sum
+// shifted by its row's shift, times scale_f, then the minimum's fma of M and the row's -sum(q), and
+// the row's unit multiplies the output at the end.
 // tests/test_kquants.py compares the bits at every step size.
 #pragma once
 #if defined(STORYTELLER_KQUANTS) && !defined(STORYTELLER_KQUANTS_VNNI)
@@ -38,19 +39,20 @@ static inline std::atomic<bool>& columns_enabled() {
 
 // The step's rounded activations as this kernel reads them: per block of 8 rows and group, the
 // group's 8 pieces of 4 bytes in the order of a Group's vectors (weights 0, 16, 4, 20, 8, 24, 12,
-// 28 and the 3 after each), each piece's 8 rows side by side (32 bytes), and the 8 rows' dx, -dsum
-// and sums over each half group.
+// 28 and the 3 after each), each piece's 8 rows side by side (32 bytes), and the 8 rows' shifts,
+// minimums' factors and sums over each half group (Activations has them row by row).
 struct Columns {
   int64_t blocks = 0, G = 0;
-  aligned_vector<int32_t> x;        // [blocks][G][8 pieces][8 rows], 4 bytes each
-  aligned_vector<float> dx, ndsum;  // [blocks][G][8 rows]
-  aligned_vector<int32_t> half;     // [blocks][G][2 halves][8 rows]
+  aligned_vector<int32_t> x;      // [blocks][G][8 pieces][8 rows], 4 bytes each
+  aligned_vector<int32_t> shift;  // [blocks][G][8 rows]
+  aligned_vector<float> nsum;     // [blocks][G][8 rows]
+  aligned_vector<int32_t> half;   // [blocks][G][2 halves][8 rows]
 
   void fill(const Activations& a) {  // the step's whole blocks of 8 rows
     blocks = a.rows / COLUMN_ROWS, G = a.G;
     x.resize(blocks * G * 8 * COLUMN_ROWS);  // every element written below
-    dx.resize(blocks * G * COLUMN_ROWS);
-    ndsum.resize(blocks * G * COLUMN_ROWS);
+    shift.resize(blocks * G * COLUMN_ROWS);
+    nsum.resize(blocks * G * COLUMN_ROWS);
     half.resize(blocks * G * 2 * COLUMN_ROWS);
     for (int64_t row = 0; row < blocks * COLUMN_ROWS; ++row) {
       const int64_t b = row / COLUMN_ROWS, r = row % COLUMN_ROWS;
@@ -58,8 +60,8 @@ struct Columns {
         const int64_t at = (b * G + g) * COLUMN_ROWS + r;
         const int8_t* q = a.q.data() + row * a.K + g * GROUP;
         for (int v = 0; v < 8; ++v) std::memcpy(&x[(b * G + g) * 8 * COLUMN_ROWS + v * COLUMN_ROWS + r], q + 4 * (v / 2) + 16 * (v % 2), 4);
-        dx[at] = a.dx[row * G + g];
-        ndsum[at] = -a.dsum[row * G + g];
+        shift[at] = a.shift[row * G + g];
+        nsum[at] = a.nsum[row * G + g];
         half[(b * G + g) * 2 * COLUMN_ROWS + r] = a.sums[(row * G + g) * 2];
         half[(b * G + g) * 2 * COLUMN_ROWS + COLUMN_ROWS + r] = a.sums[(row * G + g) * 2 + 1];
       }
@@ -86,11 +88,12 @@ static inline void column_tile(const Columns& c, int64_t b, const Group* groups,
   for (int f = 0; f < F; ++f) acc[f] = _mm256_setzero_ps();
   const int64_t at = b * c.G;
   const int32_t* x = c.x.data() + at * 8 * COLUMN_ROWS;
-  const float *dx = c.dx.data() + at * COLUMN_ROWS, *ndsum = c.ndsum.data() + at * COLUMN_ROWS;
+  const int32_t* shift = c.shift.data() + at * COLUMN_ROWS;
+  const float* nsum = c.nsum.data() + at * COLUMN_ROWS;
   const int32_t* half = c.half.data() + at * 2 * COLUMN_ROWS;
-  for (int64_t g = 0; g < c.G; ++g, x += 8 * COLUMN_ROWS, dx += COLUMN_ROWS, ndsum += COLUMN_ROWS, half += 2 * COLUMN_ROWS) {
+  for (int64_t g = 0; g < c.G; ++g, x += 8 * COLUMN_ROWS, shift += COLUMN_ROWS, nsum += COLUMN_ROWS, half += 2 * COLUMN_ROWS) {
     const Group& group = groups[g];
-    const __m256 dx8 = _mm256_load_ps(dx);
+    const __m256i by = _mm256_load_si256(reinterpret_cast<const __m256i*>(shift));
     auto part = [&](auto h_, const float* scale) __attribute__((always_inline)) {
       constexpr int h = decltype(h_)::value;
       __m256i sum[F];
@@ -116,12 +119,12 @@ static inline void column_tile(const Columns& c, int64_t b, const Group* groups,
         for (int f = 0; f < F; ++f) sum[f] = _mm256_add_epi32(sum[f], _mm256_madd_epi16(run[f], ones));
       }
       for (int f = 0; f < F; ++f)
-        acc[f] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[f]), _mm256_mul_ps(_mm256_set1_ps(scale[f0 + f]), dx8), acc[f]);
+        acc[f] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sllv_epi32(sum[f], by)), _mm256_set1_ps(scale[f0 + f]), acc[f]);
     };
     part(std::integral_constant<int, 0>(), group.scale);
     if constexpr (PARTS == 2) part(std::integral_constant<int, 1>(), group.scale2);
     if constexpr (Fmt::minimum) {
-      const __m256 n = _mm256_load_ps(ndsum);
+      const __m256 n = _mm256_load_ps(nsum);
       for (int f = 0; f < F; ++f) acc[f] = _mm256_fmadd_ps(_mm256_set1_ps(group.minimum[f0 + f]), n, acc[f]);
     }
   }
@@ -150,14 +153,15 @@ static void column_linear(const Activations& a, const uint8_t* w, X* y, int64_t 
       for (int64_t b = 0; b < c.blocks; ++b) {
         __m256 acc[WIDE];
         int f0 = 0;
+        const __m256 unit = _mm256_loadu_ps(a.unit.data() + b * COLUMN_ROWS);  // the 8 rows' (Activations::in_units)
         for (; f0 + WIDE <= LANES; f0 += WIDE) {
           column_tile<T, WIDE>(c, b, ready.data(), f0, acc);
-          for (int f = 0; f < WIDE; ++f) _mm256_store_ps(out[f0 + f], acc[f]);
+          for (int f = 0; f < WIDE; ++f) _mm256_store_ps(out[f0 + f], _mm256_mul_ps(acc[f], unit));
         }
         if (f0 < LANES) {  // 6 + 6 + 4
           static_assert(LANES % WIDE == 0 || LANES % WIDE == 4, "the last pass takes 4 features");
           column_tile<T, 4>(c, b, ready.data(), f0, acc);
-          for (int f = 0; f < 4; ++f) _mm256_store_ps(out[f0 + f], acc[f]);
+          for (int f = 0; f < 4; ++f) _mm256_store_ps(out[f0 + f], _mm256_mul_ps(acc[f], unit));
         }
         for (int64_t r = 0; r < COLUMN_ROWS; ++r) {
           for (int f = 0; f < LANES; ++f) rows_out[r][f] = out[f][r];

@@ -28,6 +28,8 @@ static inline Ints bytes(int b) { return {_mm512_set1_epi8(static_cast<char>(b))
 static inline Ints splat(int32_t v) { return {_mm512_set1_epi32(v)}; }
 static inline Ints operator&(Ints a, Ints b) { return {_mm512_and_si512(a.v, b.v)}; }
 static inline Ints operator|(Ints a, Ints b) { return {_mm512_or_si512(a.v, b.v)}; }
+// Each int32 lane shifted left by *n bits (n read straight from memory into every lane).
+static inline Ints shifted(Ints a, const int32_t* n) { return {_mm512_sllv_epi32(a.v, _mm512_set1_epi32(*n))}; }
 // Each 16-bit lane shifted by n (left if n > 0): with a byte mask after it, a shift of every byte.
 template <int N>
 static inline Ints shift(Ints a) {
@@ -79,6 +81,10 @@ static inline Ints bytes(int b) { const __m256i v = _mm256_set1_epi8(static_cast
 static inline Ints splat(int32_t v) { const __m256i s = _mm256_set1_epi32(v); return {s, s}; }
 static inline Ints operator&(Ints x, Ints y) { return {_mm256_and_si256(x.a, y.a), _mm256_and_si256(x.b, y.b)}; }
 static inline Ints operator|(Ints x, Ints y) { return {_mm256_or_si256(x.a, y.a), _mm256_or_si256(x.b, y.b)}; }
+static inline Ints shifted(Ints x, const int32_t* n) {
+  const __m256i by = _mm256_set1_epi32(*n);
+  return {_mm256_sllv_epi32(x.a, by), _mm256_sllv_epi32(x.b, by)};
+}
 template <int N>
 static inline Ints shift(Ints x) {
   if constexpr (N > 0) return {_mm256_slli_epi16(x.a, N), _mm256_slli_epi16(x.b, N)};

@@ -140,20 +140,30 @@ static inline __m512 load16(const c10::Half* x) {  // vcvtph2ps: exact
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
 }
 
-// A group of 32 activations rounded to 8 bits, as the integer kernels take them (panels.h,
-// kquants.h): q = round(x 127 / max|x|) to nearest, ties to even (cvtps2dq in the default rounding
-// mode, as std::nearbyint in int8.h and in kquants.h's scalar loop), into out. Returns max|x|;
-// half0 and half1 get the sums of q over values 0-15 and 16-31.
+// max|x| over a group of 32 activations.
 template <typename T>
-static inline float round_group32(const T* x, int8_t* out, int32_t& half0, int32_t& half1) {
-  const __m512 a = load16(x), b = load16(x + 16);
-  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-  const float inv = amax > 0.f ? 127.f / amax : 0.f;
-  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));
-  const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
+static inline float group_max32(const T* x) {
+  return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(load16(x)), _mm512_abs_ps(load16(x + 16))));
+}
+
+// A group of 32 activations rounded to 8 bits as the integer kernels take them (panels.h,
+// kquants.h): q = round(x inv) to nearest, ties to even (cvtps2dq in the default rounding mode, as
+// std::nearbyint in int8.h and in kquants.h's scalar loop), into out; half0 and half1 get the sums
+// of q over values 0-15 and 16-31.
+template <typename T>
+static inline void round32(const T* x, float inv, int8_t* out, int32_t& half0, int32_t& half1) {
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x), _mm512_set1_ps(inv)));
+  const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x + 16), _mm512_set1_ps(inv)));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(qa));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtepi32_epi8(qb));
   half0 = _mm512_reduce_add_epi32(qa), half1 = _mm512_reduce_add_epi32(qb);
+}
+
+// The same with inv = 127 / max|x| (panels.h: a float step per group). Returns max|x|.
+template <typename T>
+static inline float round_group32(const T* x, int8_t* out, int32_t& half0, int32_t& half1) {
+  const float amax = group_max32(x);
+  round32(x, amax > 0.f ? 127.f / amax : 0.f, out, half0, half1);
   return amax;
 }
 
