@@ -1,11 +1,12 @@
 """What rounding the activations to 8 bits costs in KL divergence, by how they are grouped.
 
-The K-quant kernels (worker/continuous/csrc/kquants.h) round a product's activations to 8 bits
-with a float scale per 32, q = round(x 127 / max|x|), and so pay a float multiply and two
-multiply-adds a group and row after the integer sums: at 64 rows on a Zen 4 that is what holds the
-products (docs/serving.md). A coarser or cheaper grouping would free some of that, at a price in
-quality, and issue 23 bounds the price: the engine's KL divergence from the file's float reference
-no worse than llama.cpp's own. This measures the price before any kernel is written for it:
+The K-quant kernels (worker/continuous/csrc/kquants.h) round a product's activations to 8 bits per
+group of 32. With a float step per group (as they did until 2026-12-06) each group and row then
+costs a float multiply and two multiply-adds after the integer sums, and at 64 rows on a Zen 4
+that is what holds the products (docs/serving.md); with the row's step halved per group ("pow2row",
+what they do now) a multiply less. A coarser or cheaper grouping frees some of that work, at a
+price in quality, and issue 23 bounds the price: the engine's KL divergence from the file's float
+reference no worse than llama.cpp's own. This measures the price without a kernel for it:
 
 - the float reference: the file's weights dequantized, products in float32 (the torch path, no
   C++ kernels: every product is a dense one, so rounding can be put in front of it), on the same
@@ -19,12 +20,12 @@ no worse than llama.cpp's own. This measures the price before any kernel is writ
 
 The schemes (a step is what one integer unit of q is worth; a group's largest |x| is never clipped):
 
-    per32       a float step per 32 (what the kernels do today)
+    per32       a float step per 32 (what the kernels did until 2026-12-06)
     per64       a float step per 64
     per256      a float step per 256 (llama.cpp's Q8_K for the K-quants)
     pow2        per 32, the step the block of 256's step times 2^-e (e >= 0, the smallest step that
                 fits): the integer sums of a block's groups meet one float scale after a shift
-    pow2row     the same with the row's step instead of its block's (e up to --cap)
+    pow2row     the same with the row's step instead of its block's (e up to 13): the kernels' own
     quarters    as pow2, with steps of 1, 7/8, 3/4 or 5/8 times 2^-e
 
     python -m bench.activation_grouping                        # SmolLM2-135M Q4_K_M, every scheme

@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from bench.activation_grouping import shared
+from bench.activation_grouping import per, shared
 from shared.settings import Settings
 from worker.continuous import kernels
 from worker.continuous.gguf_reader import _read_header
@@ -97,15 +97,17 @@ def test_a_tied_k_quant_head_is_also_the_embedding_table(family_gguf):
 
 @pytest.mark.parametrize("kind", TYPES)
 def test_the_product_is_the_float_one_of_the_rounded_activations(tensors, kernel, kind):
-    """Against float64 products of the file's weights: with x rounded as the kernel rounds it (per 32,
-    steps halved from the row's: bench.activation_grouping's "pow2row", which this holds to the
-    kernel's), equal but for float32's rounding; with x itself, within that rounding."""
+    """Against float64 products of the file's weights: with x rounded as the kernel rounds it (per 32:
+    a K-quant's steps halved from the row's, bench.activation_grouping's "pow2row", Q5_0's and Q5_1's
+    a float step each, its "per32"; this holds both to the kernel's), equal but for float32's
+    rounding; with x itself, within that rounding."""
     w = tensors[kind]
     g = torch.Generator().manual_seed(2)
     x = torch.randn(9, w.shape[1], generator=g)
     y = kernel.kquant_linear(x, w.panel_packed(), w.code).double()
     ref = w.dequantize().double()
-    exact = shared(x, None).double() @ ref.T
+    rounded = shared(x, None) if kind.endswith("_K") else per(x, 32)
+    exact = rounded.double() @ ref.T
     assert ((y - exact).norm() / exact.norm()).item() < 1e-5
     float_ref = x.double() @ ref.T
     assert ((y - float_ref).norm() / float_ref.norm()).item() < 0.01

@@ -73,6 +73,10 @@ struct Format {
   static constexpr bool minimum = T == Q4_K || T == Q5_K || T == Q5_1;  // M is a float per group
   static constexpr int zero = T == Q6_K ? 32 : T == Q5_0 ? 16 : 0;     // M is zero * S, an integer
   static constexpr bool halves = T == Q6_K;                             // a scale per 16 weights
+  // Whether the activations' step is the row's halved per group (the K-quants, whose blocks are of
+  // 256, as llama.cpp's Q8_K rounding is), or a float step per group (Q5_0, Q5_1, which llama.cpp
+  // meets with Q8_0's and Q8_1's per 32): see Activations.
+  static constexpr bool row_step = super > 1;
   static constexpr int64_t bytes(int64_t G) { return G / super * header + G * group; }  // a panel's
 };
 
@@ -88,21 +92,24 @@ constexpr int PAIR_ROWS = 2;
 
 // The step's rows of x rounded to 8 bits per group of 32, with what the kernel needs per group.
 //
-// A group's step is its row's, max|x| / 127 over the whole row, halved e times (e <= SHIFTS): the
-// smallest such step that holds the group's largest |x| within 127, so q = round(x 127 / max 2^e)
-// (bench.activation_grouping measures what this costs against a float step per group: +0.0005 of
-// KL divergence on SmolLM2-135M's Q4_K_M, under llama.cpp's own per 256; docs/serving.md). The
-// kernel then shifts a group's integer sums left by SHIFTS - e, where they all count in one unit,
-// the row's step / 2^SHIFTS, and meets them with one float multiply-add a group (the weights'
-// scale) instead of a multiply for the activations' scale beside it; the row's step multiplies
-// each output once, at the end.
+// For the K-quants (row_step) a group's step is its row's, max|x| / 127 over the whole row, halved
+// e times (e <= SHIFTS): the smallest such step that holds the group's largest |x| within 127, so
+// q = round(x 127 / max 2^e). The kernel then shifts a group's integer sums left by SHIFTS - e,
+// where they all count in one unit, the row's step / 2^SHIFTS, and meets them with one float
+// multiply-add a group (the weights' scale) instead of a multiply for the activations' scale beside
+// it; the unit multiplies each output once, at the end. What it costs against a float step per
+// group (bench.activation_grouping, docs/serving.md): +0.0005 of KL divergence on SmolLM2-135M's
+// Q4_K_M, where llama.cpp's float step per 256 costs +0.0021. For Q5_0 and Q5_1 a group's step is
+// its own, max|x| / 127 (dx), its shift 0 and the unit 1: the halved step there cost more than the
+// bar allows (docs/serving.md).
 constexpr int SHIFTS = 13;  // the most halvings: a shifted sum stays under 2^31 (|sum| <= 32 x 31 x 127)
 
 struct Activations {
   int64_t rows = 0, K = 0, G = 0;
   aligned_vector<int8_t> q;        // [rows, K]
   aligned_vector<int32_t> shift;   // [rows, G] SHIFTS - e
-  aligned_vector<float> nsum;      // [rows, G] -(sum(q) << shift): the minimum's factor, in the row's unit
+  aligned_vector<float> dx;        // [rows, G] a group's own step (Q5_0, Q5_1)
+  aligned_vector<float> nsum;      // [rows, G] the minimum's factor in the unit: -(sum(q) << shift), or -dx sum(q)
   aligned_vector<int32_t> sums;    // [rows, 2 G] sum(q) over each half group (weights 0-15, 16-31)
   aligned_vector<float> unit;      // [rows] max|x| / 127 / 2^SHIFTS: what a shifted sum's 1 is worth
 
@@ -111,18 +118,20 @@ struct Activations {
   Floats in_units(int64_t r, Floats acc) const { return mul(acc, splatf(unit[r])); }
 
   template <typename T>
-  void fill(const T* x, int64_t rows_, int64_t K_) {
-    rows = rows_, K = K_, G = K_ / GROUP;
+  void fill(const T* x, int64_t rows_, int64_t K_, bool row_step_) {
+    rows = rows_, K = K_, G = K_ / GROUP, row_step = row_step_;
     q.resize(rows * K);
     // Rows up to a multiple of 16 are kept, zero: the AMX path (kquants_amx.h) reads 16 at a time.
     // (Only those are cleared: the step's own rows are all written below, and a step of one row
     // should not clear 16 rows' worth a product.)
     const int64_t padded = (rows + 15) / 16 * 16;
     shift.resize(padded * G);
+    dx.resize(padded * G);
     nsum.resize(padded * G);
     sums.resize(padded * 2 * G);
     unit.resize(padded);
     std::fill(shift.begin() + rows * G, shift.end(), 0);
+    std::fill(dx.begin() + rows * G, dx.end(), 0.f);
     std::fill(nsum.begin() + rows * G, nsum.end(), 0.f);
     std::fill(sums.begin() + rows * 2 * G, sums.end(), 0);
     std::fill(unit.begin() + rows, unit.end(), 0.f);
@@ -141,6 +150,8 @@ struct Activations {
     return e;
   }
 
+  bool row_step = true;
+
   template <typename T>
   STORYTELLER_ROW void row(const T* x, int64_t r) {
 #ifdef __AVX512F__
@@ -155,8 +166,8 @@ struct Activations {
         v[i] = static_cast<float>(x[g * GROUP + i]);
         amax = std::max(amax, std::fabs(v[i]));
       }
-      const int e = halvings(amax, inv);
-      const float by = std::ldexp(inv, e);
+      const int e = row_step ? halvings(amax, inv) : 0;
+      const float by = row_step ? std::ldexp(inv, e) : amax > 0.f ? 127.f / amax : 0.f;
       int32_t half[2] = {0, 0};
       int8_t* out = q.data() + r * K + g * GROUP;
       for (int64_t i = 0; i < GROUP; ++i) {
@@ -164,9 +175,9 @@ struct Activations {
         out[i] = static_cast<int8_t>(rounded);
         half[i / 16] += rounded;
       }
-      keep(r, g, e, half[0], half[1]);
+      keep(r, g, e, amax, half[0], half[1]);
     }
-    unit[r] = std::ldexp(row_max / 127.f, -SHIFTS);
+    keep_unit(r, row_max);
   }
 
 #ifdef __AVX512F__
@@ -174,25 +185,39 @@ struct Activations {
   template <typename T>
   STORYTELLER_ROW void row16(const T* x, int64_t r) {
     float row_max = 0.f;
-    for (int64_t g = 0; g < G; ++g) row_max = std::max(row_max, group_max32(x + g * GROUP));
+    for (int64_t g = 0; g < G && row_step; ++g) row_max = std::max(row_max, group_max32(x + g * GROUP));
     const float inv = row_max > 0.f ? 127.f / row_max : 0.f;
     for (int64_t g = 0; g < G; ++g) {
-      const int e = halvings(group_max32(x + g * GROUP), inv);
       int32_t half0, half1;
-      round32(x + g * GROUP, std::ldexp(inv, e), q.data() + r * K + g * GROUP, half0, half1);
-      keep(r, g, e, half0, half1);
+      if (row_step) {
+        const int e = halvings(group_max32(x + g * GROUP), inv);
+        round32(x + g * GROUP, std::ldexp(inv, e), q.data() + r * K + g * GROUP, half0, half1);
+        keep(r, g, e, 0.f, half0, half1);
+      } else {
+        const float amax = round_group32(x + g * GROUP, q.data() + r * K + g * GROUP, half0, half1);
+        keep(r, g, 0, amax, half0, half1);
+      }
     }
-    unit[r] = std::ldexp(row_max / 127.f, -SHIFTS);
+    keep_unit(r, row_max);
   }
 #endif
 
-  // What the kernel needs of row r's group g besides its bytes q.
-  void keep(int64_t r, int64_t g, int e, int32_t half0, int32_t half1) {
-    shift[r * G + g] = SHIFTS - e;
-    nsum[r * G + g] = -static_cast<float>((half0 + half1) * (1 << (SHIFTS - e)));
-    sums[(r * G + g) * 2] = half0;
-    sums[(r * G + g) * 2 + 1] = half1;
+  // What the kernel needs of row r's group g besides its bytes q (e: its halvings of the row's
+  // step; amax: its largest |x|, where its step is its own).
+  void keep(int64_t r, int64_t g, int e, float amax, int32_t half0, int32_t half1) {
+    const int64_t at = r * G + g;
+    if (row_step) {
+      shift[at] = SHIFTS - e;
+      nsum[at] = -static_cast<float>((half0 + half1) * (1 << (SHIFTS - e)));
+    } else {
+      shift[at] = 0;
+      dx[at] = amax / 127.f;
+      nsum[at] = -(dx[at] * static_cast<float>(half0 + half1));
+    }
+    sums[at * 2] = half0;
+    sums[at * 2 + 1] = half1;
   }
+  void keep_unit(int64_t r, float row_max) { unit[r] = row_step ? std::ldexp(row_max / 127.f, -SHIFTS) : 1.f; }
 };
 
 // Vector v's (0-7) weights' bits above the nibble, moved to bits 4 and up of each byte.
@@ -364,12 +389,17 @@ struct GroupSums {
       }
     }
   }
-  // The sums in the row's unit (shifted), times the weights' scales; the minimum's term.
+  // The sums in the row's unit (shifted; or times the group's own step), times the weights'
+  // scales; the minimum's term.
   inline void end(Floats scale, Floats scale2, Floats minimum, Floats* acc) const {
     for (int r = 0; r < R; ++r) {
-      const int32_t* by = a.shift.data() + at + r * a.G;
-      acc[r] = fma(to_floats(shifted(lo_sum[r], by)), scale, acc[r]);
-      if (F::halves) acc[r] = fma(to_floats(shifted(hi_sum[r], by)), scale2, acc[r]);
+      if constexpr (F::row_step) {
+        const int32_t* by = a.shift.data() + at + r * a.G;
+        acc[r] = fma(to_floats(shifted(lo_sum[r], by)), scale, acc[r]);
+        if (F::halves) acc[r] = fma(to_floats(shifted(hi_sum[r], by)), scale2, acc[r]);
+      } else {
+        acc[r] = fma(to_floats(lo_sum[r]), mul(scale, splatf(a.dx[at + r * a.G])), acc[r]);
+      }
       if (F::minimum) acc[r] = fma(minimum, splatf(a.nsum[at + r * a.G]), acc[r]);
     }
   }
@@ -545,7 +575,7 @@ template <int T, typename X>
 static void linear(const X* x, int64_t rows, int64_t K, const uint8_t* w, X* y, int64_t N) {
   thread_local Activations kept;  // the caller's thread quantizes; its buffers outlive the call
   Activations& a = kept;          // (named, so the threads below read the caller's, not their own)
-  a.fill(x, rows, K);
+  a.fill(x, rows, K, Format<T>::row_step);
   static constexpr auto by_rows = row_tiles<T>(std::make_index_sequence<ROWS>());
 #ifdef STORYTELLER_KQUANTS_AMX
   if constexpr (!Format<T>::halves)

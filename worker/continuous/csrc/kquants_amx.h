@@ -134,7 +134,7 @@ static void tile_rows(const Activations& a, const int8_t* xt, int64_t r0, int64_
   // Every one of the 16 rows (a step's last block reads the zero rows past its end that
   // Activations keeps), with the row a constant, so that the accumulators need no index.
   const int32_t* shift_at = a.shift.data() + r0 * G;
-  const float* nsum_at = a.nsum.data() + r0 * G;
+  const float *dx_at = a.dx.data() + r0 * G, *nsum_at = a.nsum.data() + r0 * G;
   const int32_t* half_at = a.sums.data() + r0 * G * 2;
   auto scales = [&](int64_t g, auto parity) __attribute__((always_inline)) {
     const auto& s = sums[decltype(parity)::value];
@@ -152,7 +152,10 @@ static void tile_rows(const Activations& a, const int8_t* xt, int64_t r0, int64_
       const int64_t at = r * G + g;
       const int32_t* half = half_at + at * 2;
       const __m512i sum = _mm512_add_epi32(_mm512_load_si512(s[r]), _mm512_set1_epi32(-F::zero * (half[0] + half[1])));
-      acc[r] = fma(to_floats(shifted(Ints{sum}, shift_at + at)), scale, Floats{acc[r]}).v;  // GroupSums::end's
+      if constexpr (F::row_step)  // GroupSums::end's
+        acc[r] = fma(to_floats(shifted(Ints{sum}, shift_at + at)), scale, Floats{acc[r]}).v;
+      else
+        acc[r] = fma(to_floats(Ints{sum}), mul(scale, splatf(dx_at[at])), Floats{acc[r]}).v;
       if constexpr (F::minimum) acc[r] = fma(minimum, splatf(nsum_at[at]), Floats{acc[r]}).v;
     };
     [&]<size_t... R>(std::index_sequence<R...>) __attribute__((always_inline)) {

@@ -14,8 +14,8 @@
 // Why the same bits: an output's integer sums are exact whichever way they are added (a run of
 // products in int16 is as long as cannot overflow, as in lanes.h), and the float operations on
 // them are GroupSums::end's, per output and group in the same order on the same values: each sum
-// shifted by its row's shift, times scale_f, then the minimum's fma of M and the row's -sum(q), and
-// the row's unit multiplies the output at the end.
+// shifted by its row's shift times scale_f (Q5_0, Q5_1: times scale_f dx_r), then the minimum's
+// fma of M and the row's factor, and the row's unit multiplies the output at the end.
 // tests/test_kquants.py compares the bits at every step size.
 #pragma once
 #if defined(STORYTELLER_KQUANTS) && !defined(STORYTELLER_KQUANTS_VNNI)
@@ -45,13 +45,14 @@ struct Columns {
   int64_t blocks = 0, G = 0;
   aligned_vector<int32_t> x;      // [blocks][G][8 pieces][8 rows], 4 bytes each
   aligned_vector<int32_t> shift;  // [blocks][G][8 rows]
-  aligned_vector<float> nsum;     // [blocks][G][8 rows]
+  aligned_vector<float> dx, nsum; // [blocks][G][8 rows]
   aligned_vector<int32_t> half;   // [blocks][G][2 halves][8 rows]
 
   void fill(const Activations& a) {  // the step's whole blocks of 8 rows
     blocks = a.rows / COLUMN_ROWS, G = a.G;
     x.resize(blocks * G * 8 * COLUMN_ROWS);  // every element written below
     shift.resize(blocks * G * COLUMN_ROWS);
+    dx.resize(blocks * G * COLUMN_ROWS);
     nsum.resize(blocks * G * COLUMN_ROWS);
     half.resize(blocks * G * 2 * COLUMN_ROWS);
     for (int64_t row = 0; row < blocks * COLUMN_ROWS; ++row) {
@@ -61,6 +62,7 @@ struct Columns {
         const int8_t* q = a.q.data() + row * a.K + g * GROUP;
         for (int v = 0; v < 8; ++v) std::memcpy(&x[(b * G + g) * 8 * COLUMN_ROWS + v * COLUMN_ROWS + r], q + 4 * (v / 2) + 16 * (v % 2), 4);
         shift[at] = a.shift[row * G + g];
+        dx[at] = a.dx[row * G + g];
         nsum[at] = a.nsum[row * G + g];
         half[(b * G + g) * 2 * COLUMN_ROWS + r] = a.sums[(row * G + g) * 2];
         half[(b * G + g) * 2 * COLUMN_ROWS + COLUMN_ROWS + r] = a.sums[(row * G + g) * 2 + 1];
@@ -89,9 +91,9 @@ static inline void column_tile(const Columns& c, int64_t b, const Group* groups,
   const int64_t at = b * c.G;
   const int32_t* x = c.x.data() + at * 8 * COLUMN_ROWS;
   const int32_t* shift = c.shift.data() + at * COLUMN_ROWS;
-  const float* nsum = c.nsum.data() + at * COLUMN_ROWS;
+  const float *dx = c.dx.data() + at * COLUMN_ROWS, *nsum = c.nsum.data() + at * COLUMN_ROWS;
   const int32_t* half = c.half.data() + at * 2 * COLUMN_ROWS;
-  for (int64_t g = 0; g < c.G; ++g, x += 8 * COLUMN_ROWS, shift += COLUMN_ROWS, nsum += COLUMN_ROWS, half += 2 * COLUMN_ROWS) {
+  for (int64_t g = 0; g < c.G; ++g, x += 8 * COLUMN_ROWS, shift += COLUMN_ROWS, dx += COLUMN_ROWS, nsum += COLUMN_ROWS, half += 2 * COLUMN_ROWS) {
     const Group& group = groups[g];
     const __m256i by = _mm256_load_si256(reinterpret_cast<const __m256i*>(shift));
     auto part = [&](auto h_, const float* scale) __attribute__((always_inline)) {
@@ -118,8 +120,12 @@ static inline void column_tile(const Columns& c, int64_t b, const Group* groups,
         }
         for (int f = 0; f < F; ++f) sum[f] = _mm256_add_epi32(sum[f], _mm256_madd_epi16(run[f], ones));
       }
-      for (int f = 0; f < F; ++f)
-        acc[f] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sllv_epi32(sum[f], by)), _mm256_set1_ps(scale[f0 + f]), acc[f]);
+      for (int f = 0; f < F; ++f) {
+        if constexpr (Fmt::row_step)
+          acc[f] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sllv_epi32(sum[f], by)), _mm256_set1_ps(scale[f0 + f]), acc[f]);
+        else
+          acc[f] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[f]), _mm256_mul_ps(_mm256_set1_ps(scale[f0 + f]), _mm256_load_ps(dx)), acc[f]);
+      }
     };
     part(std::integral_constant<int, 0>(), group.scale);
     if constexpr (PARTS == 2) part(std::integral_constant<int, 1>(), group.scale2);
