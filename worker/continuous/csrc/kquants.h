@@ -9,18 +9,21 @@
 //   Q5_0:       S = d, M = 16 d               Q5_1: S = d, M = -m (float16 per 32)
 // d sc is exact in float32 (11 + 6 bits), so these are the file's weights bit for bit.
 //
-// The step's activations are rounded to 8 bits per group of 32 with a step that is the row's step
-// (max|x| over the row / 127) halved e times, the smallest that holds the group (Activations
-// below; llama.cpp rounds a K-quant's activations with a float step per 256, which costs more in
-// KL divergence: bench.activation_grouping). Then, per group and output feature,
-//   sum_i w_i x^_i = unit (S ((u . q) << shift) - M (sum(q) << shift)),  shift = SHIFTS - e
+// The step's activations are rounded to 8 bits per group of 32: for Q4_K, Q5_K and Q6_K with a
+// step that is the row's (max|x| over the row / 127) halved e times, the smallest that holds the
+// group; for Q5_0 and Q5_1 with the group's own, dx = max|x| / 127 (Activations below; llama.cpp
+// rounds a K-quant's activations with a float step per 256, which costs more in KL divergence:
+// bench.activation_grouping). Then, per group and output feature,
+//   K-quants:    sum_i w_i x^_i = unit (S ((u . q) << shift) - M (sum(q) << shift)),  shift = SHIFTS - e
+//   Q5_0, Q5_1:  sum_i w_i x^_i = dx (S (u . q) - M sum(q))
 // with unit = the row's step / 2^SHIFTS. u . q is an integer sum of 32 bytes: vpdpbusd on AVX-512
 // VNNI, vpmaddubsw and vpmaddwd on AVX2 (a pair of products is at most 2 * 63 * 127, inside
 // int16); the zero points of Q6_K and Q5_0 are integers and start that sum (-32 sum(q), per 16 for
-// Q6_K), so they cost nothing per weight. A group then costs one float multiply-add for its scale
-// (Q6_K: two), and one for M sum(q) (Q4_K, Q5_K, Q5_1; sum(q) << shift counted once a step), where
-// a float step per group cost a multiply more; unit multiplies each output once. With the rounded
-// activations the product is exact but for float32's rounding of these few terms.
+// Q6_K), so they cost nothing per weight. A K-quant's group then costs one float multiply-add for
+// its scale (Q6_K: two), where a float step per group costs a multiply more (Q5_0, Q5_1), and one
+// for M sum(q) (Q4_K, Q5_K, Q5_1; its factor counted once a step); unit multiplies each output
+// once. With the rounded activations the product is exact but for float32's rounding of these few
+// terms.
 //
 // Why one row's result cannot depend on the others: each output is made by one thread, group
 // after group in order, with the same instructions whatever the number of rows beside it (a tile
@@ -141,8 +144,8 @@ struct Activations {
   }
 
  private:
-  // Halvings of the row's step that still hold a group whose largest |x| is `largest` (inv: 127 /
-  // the row's largest), and the multiplier that rounds it: inv 2^e, exact.
+  // How many times (e) the row's step can be halved and still hold a group whose largest |x| is
+  // `largest` (inv: 127 / the row's largest); the group is then rounded with inv 2^e (exact).
   static inline int halvings(float largest, float inv) {
     const float at_row_step = largest * inv;  // <= 127
     int e = 0;
@@ -158,7 +161,7 @@ struct Activations {
     if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) return row16(x, r);
 #endif
     float row_max = 0.f;
-    for (int64_t i = 0; i < K; ++i) row_max = std::max(row_max, std::fabs(static_cast<float>(x[i])));
+    for (int64_t i = 0; i < K && row_step; ++i) row_max = std::max(row_max, std::fabs(static_cast<float>(x[i])));
     const float inv = row_max > 0.f ? 127.f / row_max : 0.f;
     for (int64_t g = 0; g < G; ++g) {
       float v[GROUP], amax = 0.f;
