@@ -34,19 +34,9 @@ static inline void load32(const C* p, __m512& a, __m512& b) {
   a = load16(p), b = load16(p + 16);
 }
 
-// 16 vectors' lanes each added up, vector i's sum into lane 4 (i % 4) + i / 4 of the result, in
-// one tree for all: lanes (l, l + 8), then (l, l + 4), (l, l + 2), (l, l + 1).
+// 16 vectors' lanes each added up, vector i's sum into lane 4 (i % 4) + i / 4 (rowwise.h's tree).
 static inline __m512 sum_lanes(const __m512 (&a)[16]) {
-  __m512 b[8], c[4], d[2];
-  for (int i = 0; i < 8; ++i)  // quarters 0 + 2 and 1 + 3 of a vector: its lanes l and l + 8
-    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; ++i)  // then l and l + 4: four lanes left of each of four vectors
-    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
-  for (int i = 0; i < 2; ++i)  // l and l + 2, within each quarter
-    d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44), _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));  // l and l + 1
+  return reduce_lanes(a, [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); });
 }
 
 // Scores of n positions of keys (`keys`: position t's DIM elements at t * DIM) for `group` query

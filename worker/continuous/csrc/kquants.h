@@ -152,6 +152,20 @@ struct Activations {
     while (e < SHIFTS && at_row_step * static_cast<float>(2 << e) <= 127.f) ++e;
     return e;
   }
+#ifdef __AVX512F__
+  // The same for 16 groups at once (their largest |x| in `largest`): the count of k in 1..SHIFTS
+  // with at_row_step 2^k <= 127, which is the loop's e, since the products grow with k. Exact.
+  static inline __m512i halvings16(__m512 largest, float inv) {
+    const __m512 at_row_step = _mm512_mul_ps(largest, _mm512_set1_ps(inv));
+    __m512i e = _mm512_setzero_si512();
+    for (int k = 1; k <= SHIFTS; ++k) {
+      const __mmask16 holds = _mm512_cmp_ps_mask(_mm512_mul_ps(at_row_step, _mm512_set1_ps(static_cast<float>(1 << k))),
+                                                 _mm512_set1_ps(127.f), _CMP_LE_OQ);
+      e = _mm512_mask_add_epi32(e, holds, e, _mm512_set1_epi32(1));
+    }
+    return e;
+  }
+#endif
 
   bool row_step = true;
 
@@ -184,22 +198,40 @@ struct Activations {
   }
 
 #ifdef __AVX512F__
-  // The same, 16 values a vector (rowwise.h): the same maxima, float32 multiply and rounding, the same bytes.
+  // The same, 16 values a vector (rowwise.h): the same maxima, float32 multiply and rounding, the
+  // same bytes. With the row's step, 16 groups' maxima and halvings are made at once (a group's
+  // own horizontal maximum and its loop of halvings took most of the rounding's time).
   template <typename T>
   STORYTELLER_ROW void row16(const T* x, int64_t r) {
-    float row_max = 0.f;
-    for (int64_t g = 0; g < G && row_step; ++g) row_max = std::max(row_max, group_max32(x + g * GROUP));
-    const float inv = row_max > 0.f ? 127.f / row_max : 0.f;
-    for (int64_t g = 0; g < G; ++g) {
-      int32_t half0, half1;
-      if (row_step) {
-        const int e = halvings(group_max32(x + g * GROUP), inv);
-        round32(x + g * GROUP, std::ldexp(inv, e), q.data() + r * K + g * GROUP, half0, half1);
-        keep(r, g, e, 0.f, half0, half1);
-      } else {
-        const float amax = round_group32(x + g * GROUP, q.data() + r * K + g * GROUP, half0, half1);
+    int8_t* out = q.data() + r * K;
+    int32_t half0, half1;
+    if (!row_step) {
+      for (int64_t g = 0; g < G; ++g) {
+        const float amax = round_group32(x + g * GROUP, out + g * GROUP, half0, half1);
         keep(r, g, 0, amax, half0, half1);
       }
+      return keep_unit(r, 0.f);
+    }
+    __m512 top = _mm512_setzero_ps();
+    for (int64_t i = 0; i < K; i += 16) top = _mm512_max_ps(top, _mm512_abs_ps(load16(x + i)));
+    const float row_max = _mm512_reduce_max_ps(top);
+    const float inv = row_max > 0.f ? 127.f / row_max : 0.f;
+    int64_t g = 0;
+    for (; g + 16 <= G; g += 16) {
+      alignas(64) int32_t e[16];
+      alignas(64) float by[16];
+      const __m512i halved = halvings16(group_maxima32x16(x + g * GROUP), inv);
+      _mm512_store_si512(e, halved);
+      _mm512_store_ps(by, _mm512_scalef_ps(_mm512_set1_ps(inv), _mm512_cvtepi32_ps(halved)));  // inv 2^e, exact
+      for (int i = 0; i < 16; ++i) {
+        round32(x + (g + i) * GROUP, by[i], out + (g + i) * GROUP, half0, half1);
+        keep(r, g + i, e[i], 0.f, half0, half1);
+      }
+    }
+    for (; g < G; ++g) {
+      const int e = halvings(group_max32(x + g * GROUP), inv);
+      round32(x + g * GROUP, inv * static_cast<float>(1 << e), out + g * GROUP, half0, half1);  // ldexp's, exact
+      keep(r, g, e, 0.f, half0, half1);
     }
     keep_unit(r, row_max);
   }

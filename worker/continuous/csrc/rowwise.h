@@ -140,6 +140,32 @@ static inline __m512 load16(const c10::Half* x) {  // vcvtph2ps: exact
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
 }
 
+// 16 vectors' lanes each reduced by op (an add, a max), vector i's into lane 4 (i % 4) + i / 4 of
+// the result, in one tree for all: lanes (l, l + 8), then (l, l + 4), (l, l + 2), (l, l + 1).
+template <typename Op>
+static inline __m512 reduce_lanes(const __m512 (&a)[16], const Op& op) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)  // quarters 0 + 2 and 1 + 3 of a vector: its lanes l and l + 8
+    b[i] = op(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // then l and l + 4: four lanes left of each of four vectors
+    c[i] = op(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)  // l and l + 2, within each quarter
+    d[i] = op(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44), _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xEE));
+  return op(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));  // l and l + 1
+}
+
+// max|x| over each of 16 groups of 32 activations (x: the first group's), group i's in lane i:
+// a maximum is exact, whichever order takes it (group_max32's bits).
+template <typename T>
+static inline __m512 group_maxima32x16(const T* x) {
+  __m512 m[16];
+  for (int i = 0; i < 16; ++i) {  // vector i of the tree lands in lane 4 (i % 4) + i / 4: give it that group
+    const T* g = x + 32 * (4 * (i % 4) + i / 4);
+    m[i] = _mm512_max_ps(_mm512_abs_ps(load16(g)), _mm512_abs_ps(load16(g + 16)));
+  }
+  return reduce_lanes(m, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); });
+}
+
 // max|x| over a group of 32 activations.
 template <typename T>
 static inline float group_max32(const T* x) {
