@@ -263,9 +263,12 @@ static inline Ints high_bits(const uint8_t* h) {
 }
 
 // Up to this many rows a pair of panels is met straight from its bytes, each pass taking its nibbles
-// apart again; beyond, storing them apart once a step costs less (A/Bs on the 1.7B file's layers,
-// docs/serving.md: 1.41x at 9 rows, 1.12x at 24, 1.05x at 32, 1.01x at 48, 0.99x at 64, 0.91x at 256).
-constexpr int64_t DIRECT_ROWS = 32;
+// apart again; beyond, the first pass stores them apart as it goes and the others read them (A/Bs
+// on the 1.7B file's layers, docs/serving.md: a pass of its own storing them cost 1.12x at 24 rows
+// and 1.05x at 32; stored by the first pass, the products of every layer ran 1.01x faster than
+// straight from the bytes at 20 rows, 1.03x at 24, and 1.02-1.06x faster than the pass of its own
+// at 33-128 rows, 1.00x at 512, on a Zen 4).
+constexpr int64_t DIRECT_ROWS = 20;
 constexpr int64_t AHEAD = 8;  // groups ahead whose weights are prefetched (~2-3 KB)
 // A pass of a few rows asks for its weights further ahead where that pays, which depends on the CPU
 // (docs/serving.md, "A lone row's prefetches, by CPU"). On an Intel Xeon (AVX-512 VNNI, AMX), a lone
@@ -521,10 +524,13 @@ static void pair_rows(const Activations& a, int64_t r0, const Group* groups, con
 }
 
 // Rows r0..r0 + R of x against two panels straight from their bytes (w, w + panel): every
-// broadcast of x feeds both panels' products, and no group is stored and read back.
-template <int T, int R>
+// broadcast of x feeds both panels' products, and no group is stored and read back. With KEEP, the
+// first pass of a step of many rows: each group is also stored made ready (kept[g], and the second
+// panel's kept[G + g], as unpack would) for the passes after it, its stores under the products'
+// time instead of in a pass of their own before them.
+template <int T, int R, bool KEEP = false>
 static void pair_direct(const Activations& a, int64_t r0, const uint8_t* w, const uint8_t* w2, float* out,
-                        float* next_out, const Slice& slice) {
+                        float* next_out, const Slice& slice, Group* kept = nullptr) {
   using F = Format<T>;
   Floats acc[R], next_acc[R];
   for (int r = 0; r < R; ++r) acc[r] = next_acc[r] = zerof();
@@ -538,15 +544,27 @@ static void pair_direct(const Activations& a, int64_t r0, const uint8_t* w, cons
     }
     if (r0 == 0) prefetch_ahead<T>(w), prefetch_ahead<T>(w2);  // the later passes find them in L2
     GroupSums<T, R> sums(a, r0, g), next_sums(sums);
-    Ints lo, hi, lo2, hi2;
-    block_u<T, 0>(w, lo, hi), block_u<T, 0>(w2, lo2, hi2), sums.template pair_block<0>(lo, hi, next_sums, lo2, hi2);
-    block_u<T, 1>(w, lo, hi), block_u<T, 1>(w2, lo2, hi2), sums.template pair_block<1>(lo, hi, next_sums, lo2, hi2);
-    block_u<T, 2>(w, lo, hi), block_u<T, 2>(w2, lo2, hi2), sums.template pair_block<2>(lo, hi, next_sums, lo2, hi2);
-    block_u<T, 3>(w, lo, hi), block_u<T, 3>(w2, lo2, hi2), sums.template pair_block<3>(lo, hi, next_sums, lo2, hi2);
+    auto block = [&](auto j) {  // j: a block's index as a type (std::integral_constant)
+      constexpr int J = decltype(j)::value;
+      Ints lo, hi, lo2, hi2;
+      block_u<T, J>(w, lo, hi), block_u<T, J>(w2, lo2, hi2);
+      if constexpr (KEEP) {
+        store_ints(lo, kept[g].u[2 * J]), store_ints(hi, kept[g].u[2 * J + 1]);
+        store_ints(lo2, kept[a.G + g].u[2 * J]), store_ints(hi2, kept[a.G + g].u[2 * J + 1]);
+      }
+      sums.template pair_block<J>(lo, hi, next_sums, lo2, hi2);
+    };
+    block(std::integral_constant<int, 0>()), block(std::integral_constant<int, 1>());
+    block(std::integral_constant<int, 2>()), block(std::integral_constant<int, 3>());
     Floats scale, scale2, minimum;
+    const auto keep = [&](Group& o) {
+      if constexpr (KEEP) store(scale, o.scale), store(scale2, o.scale2), store(minimum, o.minimum);
+    };
     group_scales<T>(w, d, dmin, scale, scale2, minimum);
+    keep(kept[g]);
     sums.end(scale, scale2, minimum, acc);
     group_scales<T>(w2, d2, dmin2, scale, scale2, minimum);
+    keep(kept[a.G + g]);
     next_sums.end(scale, scale2, minimum, next_acc);
     w += F::group, w2 += F::group;
   }
@@ -555,7 +573,7 @@ static void pair_direct(const Activations& a, int64_t r0, const uint8_t* w, cons
 
 template <int T, size_t... R>
 static constexpr auto pair_direct_tiles(std::index_sequence<R...>) {
-  return std::array<void (*)(const Activations&, int64_t, const uint8_t*, const uint8_t*, float*, float*, const Slice&), sizeof...(R)>{
+  return std::array<void (*)(const Activations&, int64_t, const uint8_t*, const uint8_t*, float*, float*, const Slice&, Group*), sizeof...(R)>{
       pair_direct<T, static_cast<int>(R) + 1>...};
 }
 
@@ -655,20 +673,20 @@ static void linear(const X* x, int64_t rows, int64_t K, const uint8_t* w, X* y, 
         continue;
       }
       const uint8_t *first = w + p * panel_bytes, *second = first + panel_bytes;
-      if (!direct) unpack<T>(first, a.G, ready.data()), unpack<T>(second, a.G, ready.data() + a.G);
       // The pair this thread meets next (the next of its piece, or its next piece's first), fetched
-      // in slices over this pair's passes: all of them where the pair was unpacked, the later ones
-      // where the first pass reads the pair's bytes itself. (Not on AVX2 where the pair was
-      // unpacked: 0.95x there, measured on a Zen 4 running the AVX2 build.)
+      // in slices over this pair's passes after the first, which reads the pair's own bytes (and,
+      // beyond DIRECT_ROWS, stores them made ready for the others). (Not on AVX2 beyond
+      // DIRECT_ROWS: 0.95x there, measured on a Zen 4 running the AVX2 build.)
       const int64_t following = !fetch ? -1 : pair + 1 < end ? pair + 1 : after;
       const int64_t lines = following < 0 ? 0 : (std::min<int64_t>(2, panels - 2 * following) * panel_bytes + 63) / 64;
       const uint8_t* fetched = following < 0 ? nullptr : w + 2 * following * panel_bytes;
-      const int64_t skipped = direct ? 1 : 0, passes = (rows + PAIR_ROWS - 1) / PAIR_ROWS - skipped;
+      const int64_t skipped = 1, passes = (rows + PAIR_ROWS - 1) / PAIR_ROWS - skipped;  // the first reads the bytes
       for (int64_t r0 = 0; r0 < rows; r0 += PAIR_ROWS) {
         const int64_t n = std::min<int64_t>(PAIR_ROWS, rows - r0), pass = r0 / PAIR_ROWS - skipped;
         const int64_t from = pass < 0 ? 0 : pass * lines / passes, to = pass < 0 ? 0 : (pass + 1) * lines / passes;
         const Slice slice(fetched + 64 * from, to - from, a.G);
-        if (direct) by_direct[n - 1](a, r0, first, second, out[0], out[1], slice);
+        if (direct) by_direct[n - 1](a, r0, first, second, out[0], out[1], slice, nullptr);
+        else if (r0 == 0) pair_direct<T, PAIR_ROWS, /*KEEP=*/true>(a, 0, first, second, out[0], out[1], slice, ready.data());
         else by_pair[n - 1](a, r0, ready.data(), ready.data() + a.G, out[0], out[1], slice);
         write(out[0], r0, n, p);
         write(out[1], r0, n, p + 1);

@@ -26,11 +26,13 @@ namespace storyteller {
 namespace kquants {
 
 constexpr int64_t COLUMN_ROWS = 8;  // rows a vector
-// Whether a step of `rows` rows takes this kernel: from a block of 8 rows up to the size where
-// kquants.h stops meeting pairs of panels straight from their bytes and makes them ready once.
+// Whether a step of `rows` rows takes this kernel: from a block of 8 rows up to 32 (where
+// kquants.h met pairs of panels straight from their bytes until 2026-12-06; its DIRECT_ROWS is
+// lower since, for AVX-512, and this range was measured against that).
 // On a 2-core Zen 1 it made the 1.7B file's products 1.09-1.11x faster at 8-15 rows and its steps
 // 1.16-1.18x at 16-32; beyond, within the noise (1.02x, Q6_K alone 0.94-0.97x; docs/serving.md).
-inline bool columns_pay(int64_t rows) { return rows >= COLUMN_ROWS && rows <= DIRECT_ROWS; }
+constexpr int64_t COLUMN_MAX_ROWS = 32;
+inline bool columns_pay(int64_t rows) { return rows >= COLUMN_ROWS && rows <= COLUMN_MAX_ROWS; }
 // Off for A/B benchmarks and the tests that compare the two kernels' bits (kquant_columns).
 static inline std::atomic<bool>& columns_enabled() {
   static std::atomic<bool> on{true};
