@@ -621,9 +621,10 @@ static void tile_linear(const Activations& a, const uint8_t* w, X* y, int64_t N)
 // y [rows, N] = x [rows, K] times the packed weight, threads splitting the panels (each output made
 // by one thread). A step of a few rows meets a panel ROWS rows at a time, straight from its bytes;
 // a step of more meets two panels at a time, PAIR_ROWS rows a pass, straight from their bytes up to
-// DIRECT_ROWS rows and unpacked once beyond; there, on a CPU with AMX tiles, every type but Q6_K
-// takes them instead (kquants_amx.h). On AVX2 a step of 8 to DIRECT_ROWS rows takes the kernel of
-// 8 rows a vector instead (kquants_avx2.h). The same bits on every path.
+// DIRECT_ROWS rows; beyond, the first pass stores them made ready for the others; there, on a CPU
+// with AMX tiles, every type but Q6_K takes them instead (kquants_amx.h). On AVX2 a step of 8 to
+// COLUMN_MAX_ROWS rows takes the kernel of 8 rows a vector instead (kquants_avx2.h). The same bits
+// on every path.
 template <int T, typename X>
 static void linear(const X* x, int64_t rows, int64_t K, const uint8_t* w, X* y, int64_t N) {
   thread_local Activations kept;  // the caller's thread quantizes; its buffers outlive the call
