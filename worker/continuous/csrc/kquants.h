@@ -557,14 +557,14 @@ static void pair_direct(const Activations& a, int64_t r0, const uint8_t* w, cons
     block(std::integral_constant<int, 0>()), block(std::integral_constant<int, 1>());
     block(std::integral_constant<int, 2>()), block(std::integral_constant<int, 3>());
     Floats scale, scale2, minimum;
-    const auto keep = [&](Group& o) {
-      if constexpr (KEEP) store(scale, o.scale), store(scale2, o.scale2), store(minimum, o.minimum);
+    const auto keep = [&](int64_t at) {  // kept[at] only where KEEP: kept is null otherwise
+      if constexpr (KEEP) store(scale, kept[at].scale), store(scale2, kept[at].scale2), store(minimum, kept[at].minimum);
     };
     group_scales<T>(w, d, dmin, scale, scale2, minimum);
-    keep(kept[g]);
+    keep(g);
     sums.end(scale, scale2, minimum, acc);
     group_scales<T>(w2, d2, dmin2, scale, scale2, minimum);
-    keep(kept[a.G + g]);
+    keep(a.G + g);
     next_sums.end(scale, scale2, minimum, next_acc);
     w += F::group, w2 += F::group;
   }
