@@ -124,10 +124,11 @@ struct Activations {
   void fill(const T* x, int64_t rows_, int64_t K_, bool row_step_) {
     rows = rows_, K = K_, G = K_ / GROUP, row_step = row_step_;
     q.resize(rows * K);
-    // Rows up to a multiple of 16 are kept, zero: the AMX path (kquants_amx.h) reads 16 at a time.
-    // (Only those are cleared: the step's own rows are all written below, and a step of one row
-    // should not clear 16 rows' worth a product.)
-    const int64_t padded = (rows + 15) / 16 * 16;
+    // Rows up to a multiple of 16 are kept, zero, where the AMX path (kquants_amx.h) may take the
+    // step: it reads 16 rows at a time, and only steps of 32 rows or more (tiles_pay). Only those
+    // are cleared: the step's own rows are all written below, and a step of a few rows should not
+    // clear 16 rows' worth a product (at one row that was 3.7 MB of stores a step of the 1.7B file).
+    const int64_t padded = rows >= 32 ? (rows + 15) / 16 * 16 : rows;
     shift.resize(padded * G);
     dx.resize(padded * G);
     nsum.resize(padded * G);
@@ -595,6 +596,7 @@ namespace kquants {
 // VNNI kernel does beyond DIRECT_ROWS, then met 16 rows at a time.
 template <int T, typename X>
 static void tile_linear(const Activations& a, const uint8_t* w, X* y, int64_t N) {
+  TORCH_INTERNAL_ASSERT(a.rows >= 32, "tile_linear: Activations pads rows for the tiles from 32 rows on");
   thread_local aligned_vector<int8_t> arranged;
   arrange(a, arranged);
   const int8_t* xt = arranged.data();
