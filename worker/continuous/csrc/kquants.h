@@ -105,6 +105,11 @@ constexpr int PAIR_ROWS = 2;
 // Q4_K_M, where llama.cpp's float step per 256 costs +0.0021. For Q5_0 and Q5_1 a group's step is
 // its own, max|x| / 127 (dx), its shift 0 and the unit 1: the halved step there cost more than the
 // bar allows (docs/serving.md).
+// The AMX path (kquants_amx.h) meets a step TILE_ROWS rows at a time, and only a step of
+// TILE_MIN_ROWS rows or more (tiles_pay); for those Activations pads the rows for it.
+constexpr int64_t TILE_ROWS = 16;
+constexpr int64_t TILE_MIN_ROWS = 2 * TILE_ROWS;
+
 constexpr int SHIFTS = 13;  // the most halvings: a shifted sum stays under 2^31 (|sum| <= 32 x 31 x 127)
 
 struct Activations {
@@ -124,11 +129,10 @@ struct Activations {
   void fill(const T* x, int64_t rows_, int64_t K_, bool row_step_) {
     rows = rows_, K = K_, G = K_ / GROUP, row_step = row_step_;
     q.resize(rows * K);
-    // Rows up to a multiple of 16 are kept, zero, where the AMX path (kquants_amx.h) may take the
-    // step: it reads 16 rows at a time, and only steps of 32 rows or more (tiles_pay). Only those
-    // are cleared: the step's own rows are all written below, and a step of a few rows should not
-    // clear 16 rows' worth a product (at one row that was 3.7 MB of stores a step of the 1.7B file).
-    const int64_t padded = rows >= 32 ? (rows + 15) / 16 * 16 : rows;
+    // Rows up to a multiple of TILE_ROWS are kept, zero, where the AMX path may take the step. Only
+    // those are cleared: the step's own rows are all written below, and a step of a few rows should
+    // not clear 16 rows' worth a product (at one row that was 3.7 MB of stores a step of the 1.7B file).
+    const int64_t padded = rows >= TILE_MIN_ROWS ? (rows + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS : rows;
     shift.resize(padded * G);
     dx.resize(padded * G);
     nsum.resize(padded * G);
@@ -596,7 +600,7 @@ namespace kquants {
 // VNNI kernel does beyond DIRECT_ROWS, then met 16 rows at a time.
 template <int T, typename X>
 static void tile_linear(const Activations& a, const uint8_t* w, X* y, int64_t N) {
-  TORCH_INTERNAL_ASSERT(a.rows >= 32, "tile_linear: Activations pads rows for the tiles from 32 rows on");
+  TORCH_INTERNAL_ASSERT(a.rows >= TILE_MIN_ROWS, "tile_linear: Activations pads rows for the tiles only from TILE_MIN_ROWS on");
   thread_local aligned_vector<int8_t> arranged;
   arrange(a, arranged);
   const int8_t* xt = arranged.data();

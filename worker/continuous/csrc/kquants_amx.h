@@ -35,19 +35,16 @@
 namespace storyteller {
 namespace kquants {
 
-constexpr int64_t TILE_ROWS = 16;  // rows of x a tile holds (and of its sums)
-
 // Whether a step of `rows` rows is faster on the tiles. They meet a step 16 rows at a time, so its
 // rows are padded to a multiple of 16 (33 rows cost them 48 rows' work), and a row on them costs
 // only ~5-15% less than on the VNNI kernel: the tiles pay from 32 rows where the padding is at most
 // a sixteenth of the rows (32, 46-48, 61-64, ..., every step from 241). Measured on the 1.7B file's
 // products, tiles against VNNI: 1.06-1.17x at 32 rows, 1.02 at 48, 1.09 at 64; 0.85 at 33, 0.89-0.95
 // at 36-44, 0.92 at 56, 0.93 at 72 (docs/serving.md).
-// (Activations::fill pads the rows to a multiple of 16 from 32 rows on, for the tiles: this may not
-// take fewer.)
+// (TILE_ROWS, the rows of x a tile holds, and TILE_MIN_ROWS are kquants.h's: Activations pads by them.)
 inline bool tiles_pay(int64_t rows) {
   const int64_t padded = (rows + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
-  return rows >= 2 * TILE_ROWS && (padded - rows) * TILE_ROWS <= rows;
+  return rows >= TILE_MIN_ROWS && (padded - rows) * TILE_ROWS <= rows;
 }
 
 // Whether this process may use the tiles: the CPU has them, and Linux gave it their state (an
