@@ -2,7 +2,9 @@
 
 One player's step reads every weight once and does little else with it, so its fastest possible
 time is the weights' bytes over the rate the cores can read memory. That rate is measured here as
-the fastest of a few plain reductions over a buffer far larger than the caches (1 GiB by default),
+the fastest of a few plain reductions over a buffer far larger than the caches (1 GiB by default,
+in 2 MiB pages where Linux gives them, as the engine's weights are: worker/continuous/huge_pages.py;
+on 4 KiB pages the same reductions read 10-20% slower on a Zen 4, which would flatter the engine),
 on the engine's thread count, each run `--repeats` times (the median counts): torch's float32 sum,
 its float32 amax and an int64 sum. A reduction reads each byte once and writes nothing, as the
 kernels' weight stream does. Give `--bytes-per-token` (a model's packed weights, head included) to
@@ -25,6 +27,7 @@ import time
 import torch
 
 from bench.report import pyplot, save_figure, write_json
+from worker.continuous.huge_pages import HugePages
 
 WAYS = {
     "float32 sum": (torch.float32, torch.sum),
@@ -38,7 +41,7 @@ def measure(gib: float, repeats: int) -> dict[str, float]:
     rates = {}
     for name, (dtype, reduce) in WAYS.items():
         elements = int(gib * 2 ** 30) // torch.empty((), dtype=dtype).element_size()
-        buffer = torch.ones(elements, dtype=dtype)  # written once: every page is resident
+        buffer = HugePages().empty((elements,), dtype).fill_(1)  # written once: every page is resident
         reduce(buffer)  # a first pass, unmeasured
         seconds = []
         for _ in range(repeats):

@@ -129,6 +129,9 @@ class Settings:
     kernel_isa: str = _setting("native", "the instruction sets the C++ kernels are built for: native "
                                          "(all this CPU has) | avx2 (AVX2 only, as on a CPU without "
                                          "AVX-512: what such a worker writes, checked here)")
+    huge_pages: bool = _setting(True, "keep the weights the kernels read at every step in memory asked "
+                                      "to be 2 MiB pages (Linux's transparent huge pages): a step streams "
+                                      "them with fewer page walks; the same bits")
     int4_head: bool = _setting(False, "also requantize the output head to 4 bits (faster for one "
                                       "player, less exact)")
     torch_threads: int = _setting(0, "threads for the model's arithmetic (0: torch's choice, one "

@@ -27,7 +27,7 @@ from worker.worker import Worker
 
 FLAGS = ["redis_url", "redis_cluster", "model", "model_name", "engine", "batch", "wait_ms", "dtype", "device",
          "block_size", "kv_blocks", "kv_memory", "kv_dtype", "max_batch_tokens", "prefill_chunk", "step_fill", "max_stretch",
-         "scheduler", "prefix_caching", "jump_forward", "int4_rows", "small_kernel", "kernel_isa", "int4_head", "torch_threads", "cache_dir",
+         "scheduler", "prefix_caching", "jump_forward", "int4_rows", "small_kernel", "huge_pages", "kernel_isa", "int4_head", "torch_threads", "cache_dir",
          "max_attempts", "metrics_port", "metrics_host"]
 STATIC_DEFAULT_BATCH = 64
 # A cut link stalls TCP without an error (no RST): each Redis call gives up after this, so a worker

@@ -33,6 +33,7 @@ class EngineConfig:
     int4_rows: int  # 0 off the CPU: a GPU runs torch's products
     int4_head: bool
     small_kernel: str
+    huge_pages: bool  # the weights in 2 MiB pages (worker/continuous/huge_pages.py)
     kernel_isa: str  # native | avx2: what the C++ kernels are built for (kernels.ISAS)
     cache_dir: str  # where the C++ kernels are built and kept
 

@@ -106,6 +106,14 @@ class Linear:
         elif self.small == "dense-panels":
             self.packed = pack_dense_panels((dense if dense is not None else weight).to(device=device, dtype=dtype))
 
+    def place_weights(self, pages) -> None:
+        """Moves what the kernel reads at every step into `pages` (huge_pages.HugePages): the same bytes."""
+        if self.parts:  # a stack holds its parts' weights
+            for part in self.parts:
+                part.place_weights(pages)
+        else:
+            self.packed, self.q = pages.place(self.packed), pages.place(self.q)
+
     def _stack(self, bias, device, dtype, kernel) -> None:
         """This layer as the stack of its parts (each already made), outputs side by side."""
         self.small = "+".join(sorted({part.path for part in self.parts}))

@@ -30,6 +30,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from worker.continuous import attention
 from worker.continuous.attention import KVCache, StepLayout
 from worker.continuous.config import EngineConfig
+from worker.continuous.huge_pages import HugePages, enabled_on_this_system
 from worker.continuous.linear import EVERY_STEP, KQUANT_PATHS, Linear
 from worker.continuous.kquants import KQuant
 from worker.continuous.weights import dense_float, fuse, quantize_q4_1
@@ -190,6 +191,8 @@ class Decoder:
         head = quantize_q4_1(dense_float(head)) if int4_head else head
         self.head = Linear(head, None, dtype, device, EVERY_STEP if int4_head else int4_rows, kernel, small=small,
                            dense=self.embed if tied else None)
+        if products.huge_pages:  # before HeadRows and the C++ decoder hold the tensors
+            self._place_weights()
         self.embed_rows = None if not in_blocks else \
             HeadRows(self.head) if tied and self.head.small in KQUANT_PATHS else embed.owned()
 
@@ -213,6 +216,15 @@ class Decoder:
         self.windows = [self.window(config, t) for t in types]
         self._note_windows()
         self.decoder = None  # the whole step in C++ (kernels.cpp), made at its first use
+
+    def _place_weights(self):
+        """The layers' and head's weights, as the kernels read them every step, into huge pages."""
+        pages = HugePages()
+        for layer in self.linears():
+            layer.place_weights(pages)
+        if pages.placed:
+            self.notes.append(f"{pages.placed / 2 ** 20:.0f} MiB of weights in memory asked to be 2 MiB pages "
+                              f"(transparent huge pages: {enabled_on_this_system() or 'unknown'})")
 
     def _note_windows(self):
         sliding = sorted(set(w for w in self.windows if w))
