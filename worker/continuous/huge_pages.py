@@ -68,7 +68,10 @@ class HugePages:
         # The mapping lives as long as a tensor viewing it (torch.frombuffer keeps a reference).
         mapping = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         if ADVICE is not None:
-            mapping.madvise(ADVICE)
+            try:
+                mapping.madvise(ADVICE)
+            except OSError:  # a kernel built without transparent huge pages: plain memory
+                pass
         whole = torch.frombuffer(mapping, dtype=torch.uint8)
         start = -whole.data_ptr() % HUGE
         self.chunks += 1
