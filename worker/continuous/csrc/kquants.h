@@ -87,13 +87,14 @@ struct Format {
 constexpr int ROWS = 8;  // rows per pass over a panel: an accumulator and an integer sum each
 constexpr int PAIR_ROWS = 4;  // rows per pass over two panels: 8 accumulators, 8 (Q6_K: 16) integer sums
 constexpr bool FETCH_UNPACKED = true;  // whether a pair that is unpacked fetches the next (linear)
-constexpr int BROADCAST_IN_PRODUCT = 4;  // the most rows whose products broadcast x themselves (GroupSums)
 #else
 constexpr bool FETCH_UNPACKED = false;
-constexpr int BROADCAST_IN_PRODUCT = 4;  // no such instruction on AVX2: add_product_at broadcasts as before
 constexpr int ROWS = 4;  // AVX2 has 16 registers, and each of these takes two
 constexpr int PAIR_ROWS = 2;
 #endif
+// The most rows of a pass whose products broadcast x themselves (GroupSums::add_at; on AVX2, which
+// has no such instruction, add_product_at broadcasts as add_product's callers do).
+constexpr int BROADCAST_IN_PRODUCT = 4;
 
 // The step's rows of x rounded to 8 bits per group of 32, with what the kernel needs per group.
 //
