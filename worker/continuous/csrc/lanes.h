@@ -124,9 +124,13 @@ static inline void add_product(Ints& sum, Pending& run, Ints u, Ints x4) {
     sum = {_mm256_add_epi32(sum.a, _mm256_madd_epi16(run.a, ones)), _mm256_add_epi32(sum.b, _mm256_madd_epi16(run.b, ones))};
   }
 }
+// Here the run is also added to at once: left free, GCC computes a pass's products first and adds
+// them after, storing each to the stack and reading it back (one row from L2 on a Zen 3: 1.06x
+// faster so, 1.02-1.04x at 2 and 4 rows; in a pair's pass of many rows the same pin cost 0.85x).
 template <int LARGEST, int N, int LAST>
 static inline void add_product_at(Ints& sum, Pending& run, Ints u, const int8_t* x) {
   add_product<LARGEST, N, LAST>(sum, run, u, broadcast4(x));
+  asm volatile("" : "+x"(run.a), "+x"(run.b));
 }
 static inline Floats to_floats(Ints x) { return {_mm256_cvtepi32_ps(x.a), _mm256_cvtepi32_ps(x.b)}; }
 static inline Floats splatf(float v) { const __m256 s = _mm256_set1_ps(v); return {s, s}; }
