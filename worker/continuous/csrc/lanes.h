@@ -126,7 +126,9 @@ static inline void add_product(Ints& sum, Pending& run, Ints u, Ints x4) {
 }
 // Here the run is also added to at once: left free, GCC computes a pass's products first and adds
 // them after, storing each to the stack and reading it back (one row from L2 on a Zen 3: 1.06x
-// faster so, 1.02-1.04x at 2 and 4 rows; in a pair's pass of many rows the same pin cost 0.85x).
+// faster so, 1.02-1.04x at 2 and 4 rows). In kquants.h's pairs of panels the same pin cost 0.85x:
+// there the weights' registers crowd the runs out, and kquants_avx2.h's pair_rows_avx2 takes the
+// passes of many rows, written for it.
 template <int LARGEST, int N, int LAST>
 static inline void add_product_at(Ints& sum, Pending& run, Ints u, const int8_t* x) {
   add_product<LARGEST, N, LAST>(sum, run, u, broadcast4(x));
