@@ -146,10 +146,10 @@ static inline void column_tile(const Columns& c, int64_t b, const Group* groups,
 // run at once (pinned, as lanes.h's add_product_at does), so that the 8 runs of a vector (2 rows x
 // 2 panels x 2 registers), its 4 registers of weights and a broadcast of x stay in registers. Left
 // to itself GCC computed a group's 64 products first and added them after, through the stack
-// (pair_rows<T, 2> spilled ~120 times a group). The integer sums are exact in any order, and each
-// output's float operations are GroupSums::end's in its order (a half's scale, then the second's;
-// then the minimum): the same bits. On a Zen 3, every layer of the 1.7B file at 64 rows: 1.29x
-// (1.17-1.32, 5 rounds).
+// (pair_rows<T, 2>'s loop read or wrote the stack ~150 times a group). The integer sums are exact
+// in any order, and each output's float operations are GroupSums::end's in its order (a half's
+// scale, then the second's; then the minimum): the same bits. On a Zen 3, every layer of the 1.7B
+// file at 64 rows: 1.29x (1.17-1.32, 5 rounds).
 template <int T>
 static void pair_rows_avx2(const Activations& a, int64_t r0, const Group* first, const Group* second, float* out,
                            float* next_out, const Slice& slice) {
