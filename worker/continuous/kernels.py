@@ -9,11 +9,10 @@ kernels.cpp includes every header and binds what this CPU can run:
   bf16 with AVX-512 BF16); int8.h, the same rounding with a weight row's groups along the lanes
   (`int8_linear`, AVX-512 VNNI or AVX2); kquants.h, llama.cpp's K-quant (and Q5_0, Q5_1) blocks
   against the same 8-bit activations (`kquant_linear`, AVX-512 VNNI or AVX2; kquants_activations.h
-  rounds them), a step of 32 rows or
-  more that fills its 16-row tiles well on AMX where the CPU and Linux have them (kquants_amx.h:
-  the same bits; `kquant_tiles` turns them off for an A/B), a step of 8-32 rows on AVX2 8 rows a
-  vector and a larger step's passes of two rows written for AVX2's registers (kquants_avx2.h: the
-  same bits; `kquant_columns`); quantized.h, the blocks turned to
+  rounds them), a step of 32 rows or more that fills its 16-row tiles well on AMX where the CPU and
+  Linux have them (kquants_amx.h: the same bits; `kquant_tiles` turns them off for an A/B), a step
+  of 8-32 rows on AVX2 8 rows a vector and a larger step's passes of two rows written for AVX2's
+  registers (kquants_avx2.h: the same bits; `kquant_columns`); quantized.h, the blocks turned to
   floats (`quantized_linear`, any CPU);
 - linear.h: a layer as the decoder holds it (`Linear`) and the one table of the kernel paths it can
   take, `PATHS` (name -> code, the paths this build runs), which linear.py hands layers over by;
