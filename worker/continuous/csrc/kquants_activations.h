@@ -88,39 +88,23 @@ struct Activations {
 
   bool row_step = true;
 
+  // Row r of x rounded, in vectors: 16 values a vector on AVX-512, 8 on AVX2 (the kernels are built
+  // for no other instruction set: lanes.h). Both round as bench.activation_grouping states it in
+  // Python, which tests/test_kquants.py holds the products to, and write the same bytes.
   template <typename T>
   STORYTELLER_ROW void row(const T* x, int64_t r) {
+    static_assert(std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>,
+                  "kquant_linear hands the kernels float32 or bfloat16");
 #ifdef __AVX512F__
-    if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) return row16(x, r);
-#elif defined(__AVX2__)
-    if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) return row8(x, r);
+    row16(x, r);
+#else
+    row8(x, r);
 #endif
-    float row_max = 0.f;
-    for (int64_t i = 0; i < K && row_step; ++i) row_max = std::max(row_max, std::fabs(static_cast<float>(x[i])));
-    const float inv = row_max > 0.f ? 127.f / row_max : 0.f;
-    for (int64_t g = 0; g < G; ++g) {
-      float v[GROUP], amax = 0.f;
-      for (int64_t i = 0; i < GROUP; ++i) {
-        v[i] = static_cast<float>(x[g * GROUP + i]);
-        amax = std::max(amax, std::fabs(v[i]));
-      }
-      const int e = row_step ? halvings(amax, inv) : 0;
-      const float by = row_step ? std::ldexp(inv, e) : amax > 0.f ? 127.f / amax : 0.f;
-      int32_t half[2] = {0, 0};
-      int8_t* out = q.data() + r * K + g * GROUP;
-      for (int64_t i = 0; i < GROUP; ++i) {
-        const int32_t rounded = static_cast<int32_t>(std::nearbyint(v[i] * by));  // to nearest, ties to even
-        out[i] = static_cast<int8_t>(rounded);
-        half[i / 16] += rounded;
-      }
-      keep(r, g, e, amax, half[0], half[1]);
-    }
-    keep_unit(r, row_max);
   }
 
 #ifdef __AVX512F__
-  // The same, 16 values a vector (rowwise.h): the same maxima, float32 multiply and rounding, the
-  // same bytes. With the row's step, 16 groups' maxima and halvings are made at once (a group's
+  // 16 values a vector (rowwise.h): a group's maximum, one float32 multiply a value and rounding to
+  // nearest, ties to even. With the row's step, 16 groups' maxima and halvings are made at once (a group's
   // own horizontal maximum and its loop of halvings took most of the rounding's time).
   template <typename T>
   STORYTELLER_ROW void row16(const T* x, int64_t r) {
@@ -158,10 +142,11 @@ struct Activations {
   }
 #endif
 
-#if !defined(__AVX512F__) && defined(__AVX2__)
+#ifndef __AVX512F__
   // The same on AVX2, 8 values a vector: the same maxima (exact in any order), float32 multiply and
   // rounding (cvtps2dq, to nearest, ties to even, as std::nearbyint), the same bytes. The scalar
-  // loop took 3.4 ns a value on one thread of a Zen 3, 0.44 ms of a 64-row product of K 2048 (4.3x).
+  // loop it replaced took 3.4 ns a value on one thread of a Zen 3, 0.44 ms of a 64-row product of K
+  // 2048 (4.3x).
   static inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
   static inline __m256 load8(const c10::BFloat16* x) {  // a float's top half: exact
     const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
