@@ -6,7 +6,7 @@
 // values once, in place, through the block table, for the query heads that share them.
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 
 #include "rowwise.h"

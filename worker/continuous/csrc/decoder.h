@@ -16,7 +16,7 @@
 // never depend on the rows beside it (tests/test_decoder.py checks them with every option on).
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <cstdint>
 #include <string>

@@ -11,7 +11,7 @@
 // float32's multiply-adds, k then k + 1: its own bits, not vdpbf16ps's, and its own build key.
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 
 #include "rowwise.h"

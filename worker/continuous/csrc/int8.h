@@ -17,7 +17,7 @@
 // largest activation, as in llama.cpp.
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 
 #include "rowwise.h"

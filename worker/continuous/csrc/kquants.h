@@ -41,7 +41,7 @@
 // bytes per weight as the file, give or take a header's alignment.
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 
 #include "lanes.h"

@@ -5,7 +5,7 @@
 #pragma once
 
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #include <string>
 #include <vector>

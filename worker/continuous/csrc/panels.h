@@ -25,7 +25,7 @@
 // row tile only unrolls a loop over rows); the rounding of x is per row. No timing picks a path.
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 
 #include "rowwise.h"

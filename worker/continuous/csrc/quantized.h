@@ -10,7 +10,7 @@
 //   y[r, n] = sum_g d[n, g] * (q[n, g, :] . x[r, g, :])  +  sum_g m[n, g] * sum(x[r, g, :])
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 
 #ifdef __AVX2__

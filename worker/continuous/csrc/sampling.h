@@ -8,7 +8,7 @@
 // 256; the draw finds its block from the block sums, then its token inside the block.
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
