@@ -174,7 +174,7 @@ def test_a_real_build_loads_works_is_reused_and_prunes_old_builds(tmp_path):
     for age, name in enumerate(["old1", "old2", "old3"]):
         _build(tmp_path, name, used_ago_s=(age + 2) * kernels.PRUNE_AFTER_S)
     first, log = _start(tmp_path)
-    assert "building the C++ kernels (once per build key, ~35-60 s on 2 cores)" in log
+    assert "building the C++ kernels (once per build key, ~40 s on 2 cores, more on older CPUs)" in log
     assert "built the C++ kernels in" in log
     build = tmp_path / first["key"]
     assert first["works"] and pathlib.Path(first["file"]).parent == build
@@ -189,5 +189,5 @@ def test_a_real_build_loads_works_is_reused_and_prunes_old_builds(tmp_path):
     assert (build / ".ninja_log").read_text() == ninja_log  # ninja ran nothing
     assert (build / (kernels.NAME + ".so")).stat().st_mtime_ns == library
     # Loaded, not built: the ninja log and the library's time above say so; the time only has to
-    # stay under a build's (~35-60 s on 2 quiet cores), with room for a loaded machine.
+    # stay under a build's (~40 s on 2 quiet cores), with room for a loaded machine.
     assert second["s"] < 30, second

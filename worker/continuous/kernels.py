@@ -1,6 +1,7 @@
 """The engine's C++ kernels (csrc/), one extension module built once by torch and cached on disk.
 
-kernels.cpp includes every header and binds what this CPU can run:
+kernels.cpp includes every header but kquants.h (kquants.cpp's, which kernels.cpp reaches through
+kquants_api.h) and binds what this CPU can run:
 - attention.h: decode attention, each row reading its keys and values in place through its block
   table, over the whole context or a sliding window of its last positions (`paged_decode`);
 - the linear layers' products (linear.py picks one per layer): panels.h, the GGUF's Q4_1 and Q8_0
@@ -25,8 +26,9 @@ kernels.cpp includes every header and binds what this CPU can run:
 - rowwise.h, included by the others: each row's work a function of its own on aligned scratch, so
   that a row's bits do not depend on the rest of its step (tests/test_invariance.py).
 
-Built with the compiler torch's extensions use (g++ and ninja): under a minute on 2 cores, once
-per build key, logged before it starts; later starts load the cached library in well under a second.
+Built with the compiler torch's extensions use (g++ and ninja), its two units side by side: ~40 s
+on 2 cores, once per build key, logged before it starts; later starts load the cached library in
+well under a second.
 The key (`build_id`) is a hash of everything the library's bits depend on: the sources and headers,
 the build flags, the compiler (its path and `--version`), torch's version and C++ ABI, Python's
 version and what `-march=native` means on this CPU. The same hash is part of a worker's numerics
@@ -54,6 +56,9 @@ log = logging.getLogger(__name__)
 
 SOURCES = os.path.join(os.path.dirname(__file__), "csrc")
 NAME = "storyteller_kernels"  # the module's name; each key's directory has its own copy
+# Its translation units, compiled side by side (ninja runs one a core): the K-quant products apart
+# from the rest, the largest part of a build.
+UNITS = ("kernels.cpp", "kquants.cpp")
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 # --kernel-isa: what the build may use of this CPU. "avx2" turns AVX-512 off (every AVX-512
 # extension depends on AVX-512F), so this machine builds, runs and tests what a CPU with AVX2 alone
@@ -113,10 +118,10 @@ def build(cache_dir: str = "", isa: str = "native") -> Optional[object]:
         library = os.path.join(build_dir, name + ".so")
         built = _mtime(library) if build_dir else None
         if built is None:
-            log.info("building the C++ kernels (once per build key, ~35-60 s on 2 cores) in %s...",
+            log.info("building the C++ kernels (once per build key, ~40 s on 2 cores, more on older CPUs) in %s...",
                      build_dir or "torch's extension directory")
         start = time.monotonic()
-        module = load(name=name, sources=[os.path.join(SOURCES, "kernels.cpp")],
+        module = load(name=name, sources=[os.path.join(SOURCES, unit) for unit in UNITS],
                       extra_include_paths=[SOURCES], build_directory=build_dir or None,
                       extra_cflags=CFLAGS + ISAS[isa], extra_ldflags=["-fopenmp"], verbose=False)
         if built is None or _mtime(library) != built:  # or a rebuild ninja chose (torch's headers changed)

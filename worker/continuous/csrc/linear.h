@@ -14,7 +14,7 @@
 #include "int8.h"
 #include "panels.h"
 #include "dense_panels.h"
-#include "kquants.h"
+#include "kquants_api.h"
 
 namespace storyteller {
 
