@@ -104,8 +104,8 @@ struct Activations {
 
 #ifdef __AVX512F__
   // 16 values a vector (rowwise.h): a group's maximum, one float32 multiply a value and rounding to
-  // nearest, ties to even. With the row's step, 16 groups' maxima and halvings are made at once (a group's
-  // own horizontal maximum and its loop of halvings took most of the rounding's time).
+  // nearest, ties to even. With the row's step, 16 groups' maxima and halvings are made at once (a
+  // group's own horizontal maximum and its loop of halvings took most of the rounding's time).
   template <typename T>
   STORYTELLER_ROW void row16(const T* x, int64_t r) {
     int8_t* out = q.data() + r * K;

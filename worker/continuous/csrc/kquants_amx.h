@@ -49,7 +49,7 @@ inline bool tiles_pay(int64_t rows) {
 
 // Whether this process may use the tiles: the CPU has them, and Linux gave it their state (an
 // arch_prctl asked once; a kernel or VM that refuses leaves the VNNI kernel for every step).
-// `enabled` is the switch tests and benchmarks turn (kquant_tiles in kernels.cpp).
+// `enabled` is the switch tests and benchmarks turn (kquant_tiles in kquants.cpp).
 struct Tiles {
   std::atomic<bool> enabled{available()};
   static bool available() {
