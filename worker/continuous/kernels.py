@@ -118,8 +118,8 @@ def build(cache_dir: str = "", isa: str = "native") -> Optional[object]:
         library = os.path.join(build_dir, name + ".so")
         built = _mtime(library) if build_dir else None
         if built is None:
-            log.info("building the C++ kernels (once per build key, ~40 s on 2 cores, more on older CPUs) in %s...",
-                     build_dir or "torch's extension directory")
+            log.info("building the C++ kernels (once per build key, ~40 s on 2 cores, more on older CPUs) "
+                     "in %s...", build_dir or "torch's extension directory")
         start = time.monotonic()
         module = load(name=name, sources=[os.path.join(SOURCES, unit) for unit in UNITS],
                       extra_include_paths=[SOURCES], build_directory=build_dir or None,

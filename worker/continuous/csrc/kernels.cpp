@@ -1,6 +1,7 @@
-// The engine's CPU kernels, one extension module: it includes every header (decode attention over
+// The engine's CPU kernels, one extension module: this unit includes every header but kquants.h,
+// whose products are built in kquants.cpp and reached through kquants_api.h (decode attention over
 // the paged cache, the linear layers' products and their table of paths, the decoder, sampling and
-// grammar masks) and binds what this CPU can run (kernels.py says which is which).
+// grammar masks), and binds what this CPU can run (kernels.py says which is which).
 #include <torch/csrc/utils/pybind.h>  // not torch/extension.h: the whole C++ frontend, 12 s more to parse a build
 #include <pybind11/stl.h>
 
