@@ -85,7 +85,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kquant_tiles", &kquant_tiles, "whether K-quant steps of many rows take AMX tiles (same bits); enable: turn them on or off; "
         "rows: whether a step of that many rows takes them", py::arg("enable") = py::none(), py::arg("rows") = py::none());
   m.def("kquant_few_rows_fetch", &kquant_few_rows_fetch, "whether a K-quant pass of 1-4 rows prefetches its weights further ahead "
-        "(same bits; on by default on Intel CPUs); enable: turn it on or off", py::arg("enable") = py::none());
+        "(same bits; on by default on every CPU but a Zen 4); enable: turn it on or off", py::arg("enable") = py::none());
   m.def("kquant_columns", &kquant_columns, "whether K-quant steps of 8-32 rows take the AVX2 kernel of 8 rows a vector (same bits); "
         "enable: turn it on or off; rows: whether a step of that many rows takes it", py::arg("enable") = py::none(), py::arg("rows") = py::none());
 #endif

@@ -125,9 +125,11 @@ constexpr int64_t AHEAD = 8;  // groups ahead whose weights are prefetched (~2-3
 // On a Zen 4 a lone row with none ran 1.06x faster than with 8 on in minutes when memory was fast
 // (there its ~65 instructions a group hold the pass, and 5 prefetches are 5 more), the same when it
 // was slow. On a Zen 3 (AVX2 alone) a lone row over every layer of the 1.7B file ran 1.12x faster
-// with them (0.97-1.16, 8 rounds), 2 and 4 rows the same either way. So on by default on Intel CPUs
-// and on CPUs without AVX-512 (unmeasured on Zen 1 and 2); `kquant_few_rows_fetch` turns it (no bits
-// change).
+// with them (0.97-1.16, 8 rounds), 2 and 4 rows the same either way. On a Zen 5 (AVX-512 on full
+// 512-bit units, family 1Ah) a lone row's whole step ran 1.09x faster with them (0.99-1.19, 8
+// rounds), every layer's products at 3 and 4 rows 1.03x and 1.06x, at 2 rows the same. So on by
+// default but on a Zen 4 (AMD family 19h with AVX-512; unmeasured on Zen 1 and 2);
+// `kquant_few_rows_fetch` turns it (no bits change).
 constexpr int64_t LONE_AHEAD = 4;
 constexpr int64_t FEW_FAR = 32;
 constexpr int R_FEW = 4;  // the most rows a pass asks FEW_FAR on for
@@ -135,7 +137,7 @@ struct FewRowsFetch {
   std::atomic<bool> enabled{pays()};
   static bool pays() {
     __builtin_cpu_init();
-    return __builtin_cpu_is("intel") || !__builtin_cpu_supports("avx512f");
+    return !(__builtin_cpu_is("amdfam19h") && __builtin_cpu_supports("avx512f"));
   }
 };
 static inline FewRowsFetch& few_rows_fetch() {
