@@ -125,19 +125,32 @@ constexpr int64_t AHEAD = 8;  // groups ahead whose weights are prefetched (~2-3
 // On a Zen 4 a lone row with none ran 1.06x faster than with 8 on in minutes when memory was fast
 // (there its ~65 instructions a group hold the pass, and 5 prefetches are 5 more), the same when it
 // was slow. On a Zen 3 (AVX2 alone) a lone row over every layer of the 1.7B file ran 1.12x faster
-// with them (0.97-1.16, 8 rounds), 2 and 4 rows the same either way. On a Zen 5 (AVX-512 on full
-// 512-bit units, family 1Ah) a lone row's whole step ran 1.09x faster with them (0.99-1.19, 8
-// rounds), every layer's products at 3 and 4 rows 1.03x and 1.06x, at 2 rows the same. So on by
-// default but on a Zen 4 (AMD family 19h with AVX-512; unmeasured on Zen 1 and 2);
-// `kquant_few_rows_fetch` turns it (no bits change).
+// with them (0.97-1.16, 8 rounds), 2 and 4 rows the same either way. So on by default but on a
+// Zen 4 (AMD family 19h with AVX-512; unmeasured on Zen 1 and 2); `kquant_few_rows_fetch` turns it
+// (no bits change).
+//
+// A Zen 5 (AMD, AVX-512 on full 512-bit units, family 1Ah) wants the far fetches alone, and nearer:
+// there the pass computes from cache at ~2.3x the rate it reads memory (75-78 against 33 GB/s on
+// one core, whose plain reduction reads 41), so the reads alone hold it, and lines asked into L1
+// as well only crowd them. Every layer's products of the 1.7B file at one row, against LONE_AHEAD
+// and FEW_FAR (the same bits; A/Bs of builds in one process, medians of 6-8 rounds): nothing ahead
+// 0.92x; only toward L2, 32 on 1.05-1.10x, 24 on 1.15x, 16 on 1.13-1.14x, 12 on 1.12x, 8 on
+// 1.08x, 64 on 1.08x. 2 and 4 rows, the L2 fetches alone 20 on: 1.04x and 1.05x. So there every
+// pass of up to R_FEW rows asks for the lines FAR_ALONE groups on toward L2, and nothing into L1.
 constexpr int64_t LONE_AHEAD = 4;
 constexpr int64_t FEW_FAR = 32;
-constexpr int R_FEW = 4;  // the most rows a pass asks FEW_FAR on for
+constexpr int64_t FAR_ALONE = 20;
+constexpr int R_FEW = 4;  // the most rows a pass asks FEW_FAR (FAR_ALONE) on for
 struct FewRowsFetch {
   std::atomic<bool> enabled{pays()};
+  const bool far_alone = zen5();
   static bool pays() {
     __builtin_cpu_init();
     return !(__builtin_cpu_is("amdfam19h") && __builtin_cpu_supports("avx512f"));
+  }
+  static bool zen5() {  // an AMD CPU with AVX-512 after the Zen 4 (GCC 12 does not name family 1Ah)
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd") && __builtin_cpu_supports("avx512f") && !__builtin_cpu_is("amdfam19h");
   }
 };
 static inline FewRowsFetch& few_rows_fetch() {
@@ -310,7 +323,7 @@ struct GroupSums {
 // Two rows and more ask for the weights AHEAD groups on (unmeasured at 2 and 3: at 4 rows a pass
 // without them ran 0.84x on a Zen 4, and 4 ahead instead of 8 0.97-0.99x on a Xeon), and up to R_FEW
 // rows FEW_FAR on too where few_rows_fetch() says. A lone row asks LONE_AHEAD and FEW_FAR on where
-// it says, and for nothing otherwise (above).
+// it says, and for nothing otherwise; on a Zen 5, up to R_FEW rows ask FAR_ALONE on alone (above).
 template <int T, int R>
 static inline void rows_direct(const Activations& a, int64_t r0, const uint8_t* w, Floats* acc) {
   const auto visit = [&](int64_t g, const uint8_t* group, Floats d, Floats dmin) {
@@ -324,7 +337,10 @@ static inline void rows_direct(const Activations& a, int64_t r0, const uint8_t* 
     group_scales<T>(group, d, dmin, scale, scale2, minimum);
     sums.end(scale, scale2, minimum, acc);
   };
-  if (R <= R_FEW && few_rows_fetch().enabled.load(std::memory_order_relaxed))
+  const FewRowsFetch& fetch = few_rows_fetch();
+  if (R <= R_FEW && fetch.enabled.load(std::memory_order_relaxed) && fetch.far_alone)
+    each_group<T, 0, FAR_ALONE>(w, a.G, visit);
+  else if (R <= R_FEW && fetch.enabled.load(std::memory_order_relaxed))
     each_group<T, R == 1 ? LONE_AHEAD : AHEAD, FEW_FAR>(w, a.G, visit);
   else
     each_group<T, R == 1 ? 0 : AHEAD>(w, a.G, visit);
