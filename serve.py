@@ -125,17 +125,25 @@ def _config_string(text: str) -> str:
 # before the server binds it (seen in CI: "Address already in use"). Ports up to 22767 also keep a
 # Redis Cluster node's bus port (its port + 10000) out of that range.
 _PRIVATE_PORTS = range(20000, 22768)
+# The ports this process has handed out. A caller that asks for several before it starts any of their
+# servers (a test's three cluster nodes) would otherwise get the same port twice now and then: it is
+# free each time it is asked about (seen in a suite: two nodes on one port, and the second aborted).
+_handed_out: set[int] = set()
 
 
 def free_port() -> int:
-    """A TCP port nobody listens on now, for a private Redis or API."""
+    """A TCP port nobody listens on now and not handed out before by this process, for a private
+    Redis or API."""
     for _ in range(200):
         port = random.choice(_PRIVATE_PORTS)
+        if port in _handed_out:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            _handed_out.add(port)
             return port
     with socket.socket() as s:  # all tried ports taken: let the OS choose
         s.bind(("127.0.0.1", 0))
