@@ -142,15 +142,12 @@ constexpr int64_t FEW_FAR = 32;
 constexpr int64_t FAR_ALONE = 20;
 constexpr int R_FEW = 4;  // the most rows a pass asks FEW_FAR (FAR_ALONE) on for
 struct FewRowsFetch {
-  std::atomic<bool> enabled{pays()};
-  const bool far_alone = zen5();
-  static bool pays() {
+  std::atomic<bool> enabled{!amd_avx512() || !__builtin_cpu_is("amdfam19h")};  // off on a Zen 4
+  // An AMD CPU with AVX-512 after the Zen 4 (GCC 12 does not name family 1Ah).
+  const bool far_alone = amd_avx512() && !__builtin_cpu_is("amdfam19h");
+  static bool amd_avx512() {
     __builtin_cpu_init();
-    return !(__builtin_cpu_is("amdfam19h") && __builtin_cpu_supports("avx512f"));
-  }
-  static bool zen5() {  // an AMD CPU with AVX-512 after the Zen 4 (GCC 12 does not name family 1Ah)
-    __builtin_cpu_init();
-    return __builtin_cpu_is("amd") && __builtin_cpu_supports("avx512f") && !__builtin_cpu_is("amdfam19h");
+    return __builtin_cpu_is("amd") && __builtin_cpu_supports("avx512f");
   }
 };
 static inline FewRowsFetch& few_rows_fetch() {
@@ -338,12 +335,12 @@ static inline void rows_direct(const Activations& a, int64_t r0, const uint8_t* 
     sums.end(scale, scale2, minimum, acc);
   };
   const FewRowsFetch& fetch = few_rows_fetch();
-  if (R <= R_FEW && fetch.enabled.load(std::memory_order_relaxed) && fetch.far_alone)
-    each_group<T, 0, FAR_ALONE>(w, a.G, visit);
-  else if (R <= R_FEW && fetch.enabled.load(std::memory_order_relaxed))
-    each_group<T, R == 1 ? LONE_AHEAD : AHEAD, FEW_FAR>(w, a.G, visit);
-  else
+  if (R > R_FEW || !fetch.enabled.load(std::memory_order_relaxed))
     each_group<T, R == 1 ? 0 : AHEAD>(w, a.G, visit);
+  else if (fetch.far_alone)
+    each_group<T, 0, FAR_ALONE>(w, a.G, visit);
+  else
+    each_group<T, R == 1 ? LONE_AHEAD : AHEAD, FEW_FAR>(w, a.G, visit);
 }
 
 // Rows r0..r0 + R of x against one panel, into out [R, 16] floats.
