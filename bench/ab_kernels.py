@@ -21,6 +21,7 @@ of the rounds' ratios and their range); writes <out>.json and <out>.png (every r
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import os
 import statistics
@@ -29,7 +30,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils.cpp_extension import load as build_extension
 
 from bench.profile_step import filled_engine, part_calls
 from bench.report import pyplot, save_figure, write_json
@@ -51,9 +51,7 @@ def build_variant(csrc: Path, isa: str):
     build_dir = Path(Settings.cache_dir).expanduser() / "ab-kernels" / key
     build_dir.mkdir(parents=True, exist_ok=True)
     print(f"building the variant {csrc} in {build_dir} (once per content)...", flush=True)
-    return build_extension(name=f"{kernels.NAME}_ab_{key}", sources=[str(csrc / unit) for unit in kernels.UNITS],
-                           extra_include_paths=[str(csrc)], build_directory=str(build_dir),
-                           extra_cflags=kernels.CFLAGS + kernels.ISAS[isa], extra_ldflags=["-fopenmp"])
+    return kernels.compile_units(f"{kernels.NAME}_ab_{key}", str(csrc), str(build_dir), isa)
 
 
 def with_module(layers: list, module) -> None:
@@ -63,7 +61,8 @@ def with_module(layers: list, module) -> None:
         with_module(layer.parts, module)
 
 
-def median_seconds(call, repeats: int) -> float:
+def median_seconds(prepare, call, repeats: int) -> float:
+    prepare()
     call()  # the first after a switch finds the other build's lines in the caches
     times = []
     for _ in range(repeats):
@@ -74,7 +73,7 @@ def median_seconds(call, repeats: int) -> float:
 
 
 def products_calls(loaded, settings: Settings, modules: dict, rows: int) -> dict:
-    """A call per build: every layer's products at `rows` rows through that build's module."""
+    """Per build, what makes it the one in use and a call: every layer's products at `rows` rows."""
     engine = filled_engine(loaded, settings, 1, 8, 2)
     layers = [layer for layer in engine.runner.model.linears() if layer is not engine.runner.model.head]
     products = part_calls(engine, rows)["products"]
@@ -85,14 +84,12 @@ def products_calls(loaded, settings: Settings, modules: dict, rows: int) -> dict
         outputs[name] = [layer(inputs[layer.in_features]) for layer in layers]
     if not all(torch.equal(a, b) for a, b in zip(*outputs.values())):
         raise SystemExit(f"the builds' products differ at {rows} rows: not the same numeric path")
-
-    def through(module):
-        return lambda: (with_module(layers, module), products())
-    return {name: through(module) for name, module in modules.items()}
+    return {name: (functools.partial(with_module, layers, module), products) for name, module in modules.items()}
 
 
 def step_calls(loaded, settings: Settings, modules: dict, rows: int, steps: int) -> tuple[dict, dict]:
-    """A call per build: one step of its own engine (made from the one load) holding `rows` requests."""
+    """Per build, nothing to make it the one in use (each has an engine of its own, made from the one
+    load) and a call: a step of its engine, which holds `rows` requests."""
     engines, build = {}, kernels.build
     try:
         for name, module in modules.items():
@@ -100,7 +97,7 @@ def step_calls(loaded, settings: Settings, modules: dict, rows: int, steps: int)
             engines[name] = filled_engine(loaded, settings, rows, CONTEXT, steps)
     finally:
         kernels.build = build
-    return {name: engine.step for name, engine in engines.items()}, engines
+    return {name: (lambda: None, engine.step) for name, engine in engines.items()}, engines
 
 
 def main(argv=None) -> int:
@@ -132,7 +129,7 @@ def main(argv=None) -> int:
         seconds = {name: [] for name in calls}
         for r in range(args.rounds):
             for name in (list(calls) if r % 2 == 0 else list(calls)[::-1]):
-                seconds[name].append(median_seconds(calls[name], args.repeats))
+                seconds[name].append(median_seconds(*calls[name], args.repeats))
             print(f"{rows} rows, round {r}: checkout {seconds['checkout'][-1] * 1000:.2f} ms, variant "
                   f"{seconds['variant'][-1] * 1000:.2f} ms", flush=True)
         if engines and [list(q.tokens) for q in engines["checkout"].scheduler.running] != \

@@ -99,12 +99,6 @@ def build(cache_dir: str = "", isa: str = "native") -> Optional[object]:
     if os.environ.get("STORYTELLER_NO_KERNELS"):
         return None
     try:
-        from torch.utils.cpp_extension import load
-        try:  # the ninja wheel's binary, for a virtualenv that is not on PATH
-            import ninja
-            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        except ImportError:
-            pass
         build_dir = ""
         if cache_dir:
             cache_dir = os.path.expanduser(cache_dir)
@@ -121,9 +115,7 @@ def build(cache_dir: str = "", isa: str = "native") -> Optional[object]:
             log.info("building the C++ kernels (once per build key, ~40 s on 2 cores, more on older CPUs) "
                      "in %s...", build_dir or "torch's extension directory")
         start = time.monotonic()
-        module = load(name=name, sources=[os.path.join(SOURCES, unit) for unit in UNITS],
-                      extra_include_paths=[SOURCES], build_directory=build_dir or None,
-                      extra_cflags=CFLAGS + ISAS[isa], extra_ldflags=["-fopenmp"], verbose=False)
+        module = compile_units(name, SOURCES, build_dir, isa)
         if built is None or _mtime(library) != built:  # or a rebuild ninja chose (torch's headers changed)
             log.info("built the C++ kernels in %.0f s", time.monotonic() - start)
     except Exception as exc:  # no compiler, no ninja, a read-only cache: torch's path still works
@@ -137,6 +129,21 @@ def build(cache_dir: str = "", isa: str = "native") -> Optional[object]:
         except OSError as exc:  # the build loaded: an untidy cache is no reason to go without it
             log.warning("could not prune the kernel cache %s (%s)", cache_dir, exc)
     return module
+
+
+def compile_units(name: str, sources: str, build_dir: str, isa: str):
+    """The translation units UNITS of the directory `sources` built by torch (ninja compiles only what
+    changed) and loaded as the module `name`, in `build_dir` ("": torch's own default place):
+    `build`'s, and a changed copy's beside it (bench.ab_kernels)."""
+    from torch.utils.cpp_extension import load
+    try:  # the ninja wheel's binary, for a virtualenv that is not on PATH
+        import ninja
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
+    return load(name=name, sources=[os.path.join(sources, unit) for unit in UNITS], extra_include_paths=[sources],
+                build_directory=build_dir or None, extra_cflags=CFLAGS + ISAS[isa], extra_ldflags=["-fopenmp"],
+                verbose=False)
 
 
 def module_name(isa: str = "native") -> str:
