@@ -145,6 +145,8 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--kv-dtype", default=Settings.kv_dtype, help="the KV cache's element type (Settings.kv_dtype)")
     parser.add_argument("--model", default="smollm2", help="the packaged SmolLM2, a GGUF file or a directory")
+    parser.add_argument("--kernel-isa", default=Settings.kernel_isa,
+                        help="the kernels' instruction sets (Settings.kernel_isa): avx2 times the AVX2 build here")
     parser.add_argument("--out", default="bench/results/profile")
     args = parser.parse_args(argv)
     if args.threads:
@@ -152,7 +154,7 @@ def main(argv=None) -> None:
     loaded = load(args.model, dtype=args.dtype, transformers_model=False,
                   cache_dir=Settings.cache_dir)
     settings = Settings(int4_rows=args.int4_rows, small_kernel=args.small_kernel, dtype=args.dtype,
-                        kv_dtype=args.kv_dtype)
+                        kv_dtype=args.kv_dtype, kernel_isa=args.kernel_isa)
     results = []
     for batch in args.batches:
         r = profile_batch(loaded, settings, batch, args.steps, args.context)
@@ -169,6 +171,7 @@ def main(argv=None) -> None:
     out = Path(args.out)
     write_json(out.with_suffix(".json"), {"threads": torch.get_num_threads(), "int4_rows": args.int4_rows,
                                           "small_kernel": args.small_kernel, "context": args.context,
+                                          "kernel_isa": args.kernel_isa,
                                           "results": results}, indent=1)
     print(f"\nwrote {out.with_suffix('.json')}")
 
