@@ -37,7 +37,6 @@ from shared.settings import Settings
 from worker.continuous import kernels
 from worker.model_loader import load
 
-CONTEXT = 32  # tokens each request holds when timed
 
 
 def build_variant(csrc: Path, isa: str):
@@ -87,14 +86,15 @@ def products_calls(loaded, settings: Settings, modules: dict, rows: int) -> dict
     return {name: (functools.partial(with_module, layers, module), products) for name, module in modules.items()}
 
 
-def step_calls(loaded, settings: Settings, modules: dict, rows: int, steps: int) -> tuple[dict, dict]:
+def step_calls(loaded, settings: Settings, modules: dict, rows: int, steps: int,
+               context: int) -> tuple[dict, dict]:
     """Per build, nothing to make it the one in use (each has an engine of its own, made from the one
     load) and a call: a step of its engine, which holds `rows` requests."""
     engines, build = {}, kernels.build
     try:
         for name, module in modules.items():
             kernels.build = lambda *args, _module=module, **kwargs: _module
-            engines[name] = filled_engine(loaded, settings, rows, CONTEXT, steps)
+            engines[name] = filled_engine(loaded, settings, rows, context, steps)
     finally:
         kernels.build = build
     return {name: (lambda: None, engine.step) for name, engine in engines.items()}, engines
@@ -109,6 +109,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5, help="timed calls a build a round (the median counts)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--context", type=int, default=32,
+                        help="tokens each request holds when its steps are timed (steps; attention grows with it)")
     parser.add_argument("--kernel-isa", choices=sorted(kernels.ISAS), default="native")
     parser.add_argument("--out", default="bench/results/ab-kernels")
     args = parser.parse_args(argv)
@@ -125,7 +127,8 @@ def main(argv=None) -> int:
         if args.what == "products":
             calls = products_calls(loaded, settings, modules, rows)
         else:
-            calls, engines = step_calls(loaded, settings, modules, rows, args.rounds * (args.repeats + 1) + 4)
+            calls, engines = step_calls(loaded, settings, modules, rows, args.rounds * (args.repeats + 1) + 4,
+                                          args.context)
         seconds = {name: [] for name in calls}
         for r in range(args.rounds):
             for name in (list(calls) if r % 2 == 0 else list(calls)[::-1]):
@@ -145,6 +148,7 @@ def main(argv=None) -> int:
         print(f"| {r['rows']} | {statistics.median(r['checkout_ms']):.2f} | {statistics.median(r['variant_ms']):.2f} | "
               f"{r['speed']:.3f} ({min(r['speeds']):.3f}-{max(r['speeds']):.3f}) |")
     write_json(f"{args.out}.json", {"variant": str(args.variant), "model": args.model, "what": args.what,
+                                    "context": args.context,
                                     "threads": args.threads, "kernel_isa": args.kernel_isa, "results": results})
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3))
