@@ -38,7 +38,6 @@ from worker.continuous import kernels
 from worker.model_loader import load
 
 
-
 def build_variant(csrc: Path, isa: str):
     """The variant's module, built (once per content) under the cache with a name of its own, so that
     it loads beside the checkout's."""

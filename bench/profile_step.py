@@ -16,6 +16,8 @@ K-quant pass of 1-4 rows prefetches its weights further ahead (the same bits); e
 the products are then also timed with each of these off, in turn, and the table says both.
 
     python -m bench.profile_step --model path/to/model.Q4_K_M.gguf --batches 1 64 --threads 2 --out docs/results/profile-big
+
+`--kernel-isa avx2` times the kernels' AVX2 build, as a CPU without AVX-512 runs it, on one with it.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from bench.report import write_json
 from shared.protocol import Job, SamplingParams
 from shared.settings import Settings
 from worker.continuous import engine as continuous
+from worker.continuous import kernels
 from worker.model_loader import load
 
 
@@ -145,7 +148,7 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--kv-dtype", default=Settings.kv_dtype, help="the KV cache's element type (Settings.kv_dtype)")
     parser.add_argument("--model", default="smollm2", help="the packaged SmolLM2, a GGUF file or a directory")
-    parser.add_argument("--kernel-isa", default=Settings.kernel_isa,
+    parser.add_argument("--kernel-isa", choices=sorted(kernels.ISAS), default=Settings.kernel_isa,
                         help="the kernels' instruction sets (Settings.kernel_isa): avx2 times the AVX2 build here")
     parser.add_argument("--out", default="bench/results/profile")
     args = parser.parse_args(argv)
