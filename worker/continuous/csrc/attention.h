@@ -131,13 +131,32 @@ static inline std::pair<int64_t, int64_t> block_at(const int64_t* table, int64_t
 }
 
 // The blocks a row reads next are asked for ahead (_mm_prefetch): the next one toward L1, the one
-// this far on toward L2, and a thread's next item's first ones toward L2. A row's blocks lie
+// this far on toward L2, and a thread's next item's first ones toward L2 (NextBlocks). A row's blocks lie
 // anywhere in the pool, where the hardware's prefetcher, which follows addresses in order, cannot
 // guess them. (Until 2026-12-05 a helper asked for the next block, and GCC compiled its loop to
 // nothing: no prefetch instruction in attend_tile's code, the cache read at 7-9 GB/s. Written where
 // the loops run, these are kept, and read it at 15-21 GB/s: docs/serving.md, "The Zen 4 again".
 // Check with objdump after moving them.)
 constexpr int64_t BLOCKS_AHEAD = 8;
+
+// A thread's next item's first blocks (keys and values), asked for toward L2 one as each block of
+// this item is met. Asked for all at once when the item was claimed (32 KB at the 1.7B shape), they
+// stalled the thread until the memory took them: on a Zen 4, 74% of the samples in decode's own code
+// fell right after those prefetches. One at a time, this item's work goes on meanwhile (64-row steps
+// 1.02-1.04x: docs/serving.md, "The Zen 4 again: where a 64-row step goes"). Only a hint: no bits change.
+struct NextBlocks {
+  const char *k = nullptr, *v = nullptr;  // the caches
+  int64_t at[BLOCKS_AHEAD] = {}, bytes[BLOCKS_AHEAD] = {};  // each block's offset in the caches, its bytes
+  int n = 0, fetched = 0;
+  inline void fetch_one() {
+    if (fetched == n) return;
+    for (int64_t line = 0; line < bytes[fetched]; line += 64) {
+      _mm_prefetch(k + at[fetched] + line, _MM_HINT_T1);
+      _mm_prefetch(v + at[fetched] + line, _MM_HINT_T1);
+    }
+    ++fetched;
+  }
+};
 
 // The first position a row attends to: with a sliding window of `window` positions (0: none) the
 // row at position p = length - 1 sees p - window + 1 .. p, its own included.
@@ -154,7 +173,7 @@ template <typename T, typename C, int64_t DIM>
 static void attend_tile(const T* q, int64_t q_stride, const C* k, const C* v, const int64_t* table,
                         const int64_t* lengths, int64_t rows, T* out, int64_t out_stride, int64_t group,
                         int64_t kv, int64_t blocks, int64_t block_size, int64_t dim_at_run_time, float scale,
-                        int64_t window, DecodeBuffers& buf) {
+                        int64_t window, DecodeBuffers& buf, NextBlocks& next) {
   const int64_t dim = DIM > 0 ? DIM : dim_at_run_time, width = group * dim;
 #ifdef STORYTELLER_ATTENTION_AVX512
   constexpr bool VECTOR = DIM > 0 && DIM % 32 == 0 && !std::is_same_v<C, double>;  // attention_avx512.h's steps
@@ -191,6 +210,7 @@ static void attend_tile(const T* q, int64_t q_stride, const C* k, const C* v, co
         const auto [at, bytes] = block_at<C>(table, start + BLOCKS_AHEAD * block_size, longest, kv, blocks, block_size, dim);
         for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(cache + at) + line, _MM_HINT_T1);
       }
+      next.fetch_one();
       const auto [at, bytes] = block_at<C>(table, start, longest, kv, blocks, block_size, dim);
       const auto block = [&] {  // the vector steps read the cache's own elements; the others, floats
         if constexpr (VECTOR) return cache + at;
@@ -252,27 +272,26 @@ void decode(const T* q, int64_t q_stride, const C* k, const C* v, const int64_t*
   }
   // Items taken one at a time by whichever thread is free (a prompt's tile costs many decodes):
   // which thread computes an item does not change its bits. Each thread claims its next item as it
-  // starts one, and asks for that item's first keys and values meanwhile (toward L2).
+  // starts one, and asks for that item's first keys and values meanwhile (toward L2, NextBlocks).
   const int64_t items = static_cast<int64_t>(tiles.size()) * kv_heads;
   take_turns(items, std::min<int64_t>(items, at::get_num_threads()), [&](int64_t item, int64_t following) {
     thread_local DecodeBuffers buf;
+    NextBlocks next{reinterpret_cast<const char*>(k), reinterpret_cast<const char*>(v)};
     if (following >= 0) {
       const auto [next_row, next_n] = tiles[following / kv_heads];
       const int64_t longest = lengths[next_row + next_n - 1], next_kv = following % kv_heads;
       const int64_t first = window_start(lengths[next_row], window) / block_size * block_size;
       for (int64_t start = first; start < std::min(longest, first + BLOCKS_AHEAD * block_size); start += block_size) {
         const auto [at, bytes] = block_at<C>(tables + next_row * width, start, longest, next_kv, blocks, block_size, dim);
-        for (int64_t line = 0; line < bytes; line += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(k + at) + line, _MM_HINT_T1);
-          _mm_prefetch(reinterpret_cast<const char*>(v + at) + line, _MM_HINT_T1);
-        }
+        next.at[next.n] = at * static_cast<int64_t>(sizeof(C)), next.bytes[next.n++] = bytes;
       }
     }
     const auto [row, n] = tiles[item / kv_heads];
     const int64_t kv = item % kv_heads;
     attend_tile<T, C, DIM>(q + row * q_stride + kv * group * dim, q_stride, k, v, tables + row * width, lengths + row,
                         n, out + (row * heads + kv * group) * dim, heads * dim, group, kv, blocks, block_size,
-                        dim, scale, window, buf);
+                        dim, scale, window, buf, next);
+    while (next.fetched < next.n) next.fetch_one();  // an item of fewer blocks than the next one's first
   }, /*ahead=*/true);
 }
 
