@@ -120,7 +120,9 @@ def test_a_rolling_restart_of_the_only_worker_answers_every_request(redis_alone,
             assert answer.usage.completion_tokens == 100
             texts.add(answer.choices[0].text)
     assert len(texts) == 1, "greedy answers to one prompt differ"
-    assert re.search(r"stopping: finishing [12] request", logs(old))
+    # It said it drains what it holds. The count is the engine's (at most --batch 2): 0 where the
+    # signal came between a take and the engine's add, the jobs then in its processing list.
+    assert re.search(r"stopping: finishing [0-2] request", logs(old))
 
 
 # Four worker starts one after another (each loads torch and the model: tens of seconds on a loaded
