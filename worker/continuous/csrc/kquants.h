@@ -120,7 +120,9 @@ constexpr int64_t AHEAD = 8;  // groups ahead whose weights are prefetched (~2-3
 // A pass of a few rows asks for its weights further ahead where that pays, which depends on the CPU
 // (docs/serving.md, "A lone row's prefetches, by CPU"). On an Intel Xeon (AVX-512 VNNI, AMX), a lone
 // row: every line of a group 4 groups on (into L1) 1.10-1.15x against none (4-8 on, the same;
-// half the lines 1.06x; 16 on nothing), and every line 32 on toward L2 as well, 1.04-1.06x more;
+// half the lines 1.06x; 16 on nothing), and every line LONE_FAR_INTEL (12) on toward L2 as well
+// (first 32, 1.04-1.06x more; then, against 32 on, with the weights in huge pages: 12 on 1.05x and
+// 1.06x, 16 on 1.04x, 8 on 1.00x, 6 on 0.97x, 12 alone without the 4 into L1 0.99x);
 // 2-4 rows: 32 on toward L2 beside their 8 on, 1.06-1.12x (6 and 8 rows: 0.96-1.01x, so not there).
 // On a Zen 4 a lone row with none ran 1.06x faster than with 8 on in minutes when memory was fast
 // (there its ~65 instructions a group hold the pass, and 5 prefetches are 5 more), the same when it
@@ -139,12 +141,14 @@ constexpr int64_t AHEAD = 8;  // groups ahead whose weights are prefetched (~2-3
 // pass of up to R_FEW rows asks for the lines FAR_ALONE groups on toward L2, and nothing into L1.
 constexpr int64_t LONE_AHEAD = 4;
 constexpr int64_t FEW_FAR = 32;
+constexpr int64_t LONE_FAR_INTEL = 12;
 constexpr int64_t FAR_ALONE = 20;
 constexpr int R_FEW = 4;  // the most rows a pass asks FEW_FAR (FAR_ALONE) on for
 struct FewRowsFetch {
   std::atomic<bool> enabled{!amd_avx512() || !__builtin_cpu_is("amdfam19h")};  // off on a Zen 4
   // An AMD CPU with AVX-512 after the Zen 4 (GCC 12 does not name family 1Ah).
   const bool far_alone = amd_avx512() && !__builtin_cpu_is("amdfam19h");
+  const bool intel = __builtin_cpu_is("intel");  // (amd_avx512 has run __builtin_cpu_init)
   static bool amd_avx512() {
     __builtin_cpu_init();
     return __builtin_cpu_is("amd") && __builtin_cpu_supports("avx512f");
@@ -319,8 +323,9 @@ struct GroupSums {
 //
 // Two rows and more ask for the weights AHEAD groups on (unmeasured at 2 and 3: at 4 rows a pass
 // without them ran 0.84x on a Zen 4, and 4 ahead instead of 8 0.97-0.99x on a Xeon), and up to R_FEW
-// rows FEW_FAR on too where few_rows_fetch() says. A lone row asks LONE_AHEAD and FEW_FAR on where
-// it says, and for nothing otherwise; on a Zen 5, up to R_FEW rows ask FAR_ALONE on alone (above).
+// rows FEW_FAR on too where few_rows_fetch() says (12 instead of 32 on a Xeon: 1.00x at 2 rows, 0.96x
+// at 4). A lone row asks LONE_AHEAD and FEW_FAR on where it says (LONE_FAR_INTEL on an Intel CPU),
+// and for nothing otherwise; on a Zen 5, up to R_FEW rows ask FAR_ALONE on alone (above).
 template <int T, int R>
 static inline void rows_direct(const Activations& a, int64_t r0, const uint8_t* w, Floats* acc) {
   const auto visit = [&](int64_t g, const uint8_t* group, Floats d, Floats dmin) {
@@ -339,6 +344,8 @@ static inline void rows_direct(const Activations& a, int64_t r0, const uint8_t* 
     each_group<T, R == 1 ? 0 : AHEAD>(w, a.G, visit);
   else if (fetch.far_alone)
     each_group<T, 0, FAR_ALONE>(w, a.G, visit);
+  else if (R == 1 && fetch.intel)
+    each_group<T, LONE_AHEAD, LONE_FAR_INTEL>(w, a.G, visit);
   else
     each_group<T, R == 1 ? LONE_AHEAD : AHEAD, FEW_FAR>(w, a.G, visit);
 }
