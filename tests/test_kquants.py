@@ -232,9 +232,10 @@ def test_a_stack_of_types_is_its_parts_side_by_side(tensors, kernel):
 def test_fetching_the_next_product_ahead_changes_no_bits(tensors, kernel):
     """A product's threads with no piece left fetch the next product's first bytes (rowwise.h's
     upcoming hint, set by a stack for its next part and by the decoder for its next layer), and a
-    pass over two panels fetches its thread's next pair (from 9 rows, kquants.h's Slice): prefetches
-    only, so a stack of K-quant parts writes the same bits with them on and off, at a lone decode's
-    row, a few rows (each pair met straight from its bytes) and a chunk's many (unpacked)."""
+    pass over two panels fetches its thread's next pair (from 9 rows, kquants.h's Slice), as the
+    AMX tiles' passes fetch the next panel (up to 128 rows): prefetches only, so a stack of K-quant
+    parts writes the same bits with them on and off, at a lone decode's row, a few rows (each pair
+    met straight from its bytes) and a chunk's many (unpacked; on tiles where the CPU has them)."""
     parts = [tensors["Q4_K"], tensors["Q6_K"], tensors["Q4_K"]]
     cols = parts[0].shape[1]
     assert all(p.shape[1] == cols for p in parts), [p.shape for p in parts]

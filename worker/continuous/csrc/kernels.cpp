@@ -93,7 +93,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "x @ w.T with x rounded to 8 bits per group of 32 (AVX-512 VNNI or AVX2)",
         py::call_guard<py::gil_scoped_release>());
 #endif
-  m.def("fetch_ahead", &fetch_ahead, "whether threads fetch ahead: those with no piece left of a product the next one's first bytes, and a K-quant pass of 9 rows or more its thread's next pair of panels (no bits change); enable: turn it on or off",
+  m.def("fetch_ahead", &fetch_ahead, "whether threads fetch ahead: those with no piece left of a product the next one's first bytes, and a K-quant pass of 9 rows or more its thread's next pair of panels (on AMX tiles, up to 128 rows, its next panel) (no bits change); enable: turn it on or off",
         py::arg("enable") = py::none());
   m.def("rms_norm_rows", &rms_norm_rows, "the decoder's RMS norm, row by row (tests)");
   m.def("sample_rows", &sample_rows, "a token per row from softmax(logits / temperature), by inverse CDF",

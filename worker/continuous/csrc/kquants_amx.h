@@ -108,7 +108,8 @@ static void arrange(const Activations& a, aligned_vector<int8_t>& out) {
 // integer sums. A tile's sums come tens of cycles after its instruction, so group g + 1's
 // products are under way before group g's sums are stored and scaled.
 template <int T>
-static void tile_rows(const Activations& a, const int8_t* xt, int64_t r0, int64_t n, const Group* groups, float* out) {
+static void tile_rows(const Activations& a, const int8_t* xt, int64_t r0, int64_t n, const Group* groups, float* out,
+                      const Slice& slice) {
   using F = Format<T>;
   static_assert(!F::halves, "Q6_K keeps the VNNI kernel (see the top)");
   alignas(64) int32_t sums[2][TILE_ROWS][LANES];  // [group's parity][row][feature]
@@ -139,6 +140,7 @@ static void tile_rows(const Activations& a, const int8_t* xt, int64_t r0, int64_
     const auto& s = sums[decltype(parity)::value];
     if constexpr (decltype(parity)::value == 0) _tile_stored(4, s, 64);
     else _tile_stored(5, s, 64);
+    slice.fetch(g);
     if (g + AHEAD < G) {  // the tiles' loads would wait on L2 otherwise
       for (int line = 0; line < 8; ++line) {
         _mm_prefetch(reinterpret_cast<const char*>(x + (g + AHEAD) * TILE_ROWS * GROUP) + 64 * line, _MM_HINT_T0);
