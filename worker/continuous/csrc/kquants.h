@@ -373,6 +373,11 @@ struct Slice {
   const uint8_t* at = nullptr;
   int64_t lines = 0, per = 0;  // lines in all, a group
   Slice(const uint8_t* at_, int64_t lines_, int64_t G) : at(at_), lines(lines_), per((lines_ + G - 1) / G) {}
+  // Pass `pass`'s share of the `lines` lines from `at` spread over `passes` passes (none where pass < 0).
+  static Slice share(const uint8_t* at, int64_t lines, int64_t pass, int64_t passes, int64_t G) {
+    const int64_t from = pass < 0 ? 0 : pass * lines / passes, to = pass < 0 ? 0 : (pass + 1) * lines / passes;
+    return Slice(at + 64 * from, to - from, G);
+  }
   inline void fetch(int64_t g) const {
     if (g * per < lines)
       for (int64_t line = g * per; line < (g + 1) * per; ++line)
@@ -499,9 +504,8 @@ static void tile_linear(const Activations& a, const uint8_t* w, X* y, int64_t N)
       const int64_t lines = following < 0 ? 0 : (panel_bytes + 63) / 64, passes = (a.rows + TILE_ROWS - 1) / TILE_ROWS;
       const uint8_t* fetched = following < 0 ? nullptr : w + following * panel_bytes;
       for (int64_t r0 = 0; r0 < a.rows; r0 += TILE_ROWS) {
-        const int64_t n = std::min<int64_t>(TILE_ROWS, a.rows - r0), pass = r0 / TILE_ROWS;
-        const int64_t from = pass * lines / passes, to = (pass + 1) * lines / passes;
-        tile_rows<T>(a, xt, r0, n, ready.data(), out, Slice(fetched + 64 * from, to - from, a.G));
+        const int64_t n = std::min<int64_t>(TILE_ROWS, a.rows - r0);
+        tile_rows<T>(a, xt, r0, n, ready.data(), out, Slice::share(fetched, lines, r0 / TILE_ROWS, passes, a.G));
         for (int64_t r = 0; r < n; ++r) store16(out + r * LANES, y + (r0 + r) * N + p * LANES);
       }
     }
@@ -576,9 +580,8 @@ static void linear(const X* x, int64_t rows, int64_t K, const uint8_t* w, X* y, 
       const uint8_t* fetched = following < 0 ? nullptr : w + 2 * following * panel_bytes;
       const int64_t skipped = 1, passes = (rows + PAIR_ROWS - 1) / PAIR_ROWS - skipped;  // the first reads the bytes
       for (int64_t r0 = 0; r0 < rows; r0 += PAIR_ROWS) {
-        const int64_t n = std::min<int64_t>(PAIR_ROWS, rows - r0), pass = r0 / PAIR_ROWS - skipped;
-        const int64_t from = pass < 0 ? 0 : pass * lines / passes, to = pass < 0 ? 0 : (pass + 1) * lines / passes;
-        const Slice slice(fetched + 64 * from, to - from, a.G);
+        const int64_t n = std::min<int64_t>(PAIR_ROWS, rows - r0);
+        const Slice slice = Slice::share(fetched, lines, r0 / PAIR_ROWS - skipped, passes, a.G);
         if (direct) by_direct[n - 1](a, r0, first, second, out[0], out[1], slice, nullptr);
         else if (r0 == 0) pair_direct<T, PAIR_ROWS, /*KEEP=*/true>(a, 0, first, second, out[0], out[1], slice, ready.data());
 #ifdef STORYTELLER_KQUANTS_COLUMNS
