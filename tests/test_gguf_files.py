@@ -22,6 +22,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PreTrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from shared.settings import Settings
 from tests.gguf_files import TYPES
 from tests.tiny_models import FAMILIES
 from worker import gguf_derived
@@ -299,7 +300,8 @@ def test_a_gguf_path_loads_with_the_files_name_tokenizer_and_template(family_ggu
 
 @pytest.mark.slow
 def test_the_static_engine_gets_transformers_model_of_a_gguf(family_gguf):
-    loaded = load(family_gguf("gemma3", "F16"), dtype="float32", device="cpu", transformers_model=True)
+    loaded = load(family_gguf("gemma3", "F16"), dtype="float32", device="cpu", transformers_model=True,
+                  cache_dir=Settings().cache_dir)
     assert loaded.model is not None and loaded.name == "gemma3.F16"
     assert loaded.model.config.model_type == "gemma3_text"
 
@@ -430,13 +432,12 @@ def test_the_f16_files_greedy_text_is_the_directorys(family_gguf, family_gguf_so
     the tiny models' sliding windows (mistral's 24, gemma3's 16): the converter writes Mistral
     without its window (_LOST), as llama.cpp runs it."""
     from shared.protocol import Job, SamplingParams
-    from shared.settings import Settings
     from tests.engines import write
     from worker.continuous import engine as continuous
 
     written = []
     for source in (family_gguf_source(kind), family_gguf(kind, "F16")):
-        loaded = load(source, dtype="float32", device="cpu", transformers_model=False)
+        loaded = load(source, dtype="float32", device="cpu", transformers_model=False, cache_dir=Settings().cache_dir)
         engine = continuous.build(loaded, Settings(block_size=4, prefill_chunk=8), loaded.weights(), loaded.config)
         assert engine is not None and engine.numerics.endswith("+invariant"), source
         prompts = ["Once upon a time", "The dragon slept in the forest, dreaming of gold", "A knight"]

@@ -54,7 +54,7 @@ def test_placed_tensors_keep_their_bytes_and_lie_in_huge_pages():
 
 @pytest.mark.slow
 def test_the_packaged_worker_places_its_weights_and_writes_the_same_tokens_without():
-    loaded = load(PACKAGED, dtype="auto", device="cpu", transformers_model=False)
+    loaded = load(PACKAGED, dtype="auto", device="cpu", transformers_model=False, cache_dir=Settings().cache_dir)
     engines = {on: continuous.build(loaded, Settings(huge_pages=on, prefix_caching=False), loaded.weights(),
                                     loaded.config) for on in (True, False)}
     notes = {on: " ".join(e.runner.model.notes) for on, e in engines.items()}

@@ -37,7 +37,8 @@ WORDS = ("the dragon castle knight went over a hill and found gold under an old 
 
 @pytest.fixture(scope="module")
 def smollm2():
-    return load(PACKAGED, dtype="auto", device="cpu", transformers_model=False)  # the worker's defaults
+    return load(PACKAGED, dtype="auto", device="cpu", transformers_model=False,  # the worker's defaults
+                cache_dir=Settings().cache_dir)
 
 
 def _engine(loaded, **settings):
@@ -70,7 +71,8 @@ def requantized(request, smollm2_gguf):
     """(the packaged SmolLM2 requantized to the param's type by llama-quantize, loaded as the worker
     loads it; what each request writes alone on it; the settings: the param's --kernel-isa)."""
     qtype, isa = request.param
-    loaded = load(smollm2_gguf(qtype), dtype="auto", device="cpu", transformers_model=False)
+    loaded = load(smollm2_gguf(qtype), dtype="auto", device="cpu", transformers_model=False,
+                  cache_dir=Settings().cache_dir)
     return loaded, _alone(loaded, kernel_isa=isa), {"kernel_isa": isa}
 
 
@@ -253,7 +255,8 @@ def test_an_engine_built_again_writes_the_same_texts(smollm2, alone):
 def test_a_model_with_dense_weights_is_batch_invariant_too(dtype):
     """SmolLM2 as a local Hugging Face directory would give it (transformers' dense weights): the
     dense products run csrc/dense_panels.h at every step; a crowd writes what each writes alone."""
-    loaded = load(PACKAGED, dtype=dtype, device="cpu")  # transformers' model: its state dict is dense
+    # transformers' model: its state dict is dense
+    loaded = load(PACKAGED, dtype=dtype, device="cpu", cache_dir=Settings().cache_dir)
     engine = continuous.build(loaded, Settings(), loaded.model.state_dict(), loaded.config)
     if not engine.numerics.endswith("+invariant"):
         pytest.skip(f"no row-wise dense kernel for {dtype} on this CPU ({engine.numerics})")

@@ -40,7 +40,8 @@ TOPICS = ("the old well", "the dragon", "a cursed crown", "the harbour", "the go
 
 @pytest.fixture(scope="module")
 def smollm2():
-    return load(PACKAGED, dtype="auto", device="cpu", transformers_model=False)  # the worker's defaults
+    return load(PACKAGED, dtype="auto", device="cpu", transformers_model=False,  # the worker's defaults
+                cache_dir=Settings().cache_dir)
 
 
 @pytest.fixture(scope="module")

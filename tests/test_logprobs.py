@@ -278,7 +278,8 @@ def test_prompt_logprobs_of_a_chunked_prompt_beside_decodes(tiny_llama):
 
 @pytest.fixture(scope="module")
 def smollm2():
-    return load(PACKAGED, dtype="auto", device="cpu", transformers_model=False)  # the worker's defaults
+    return load(PACKAGED, dtype="auto", device="cpu", transformers_model=False,  # the worker's defaults
+                cache_dir=Settings().cache_dir)
 
 
 def _reference_logprobs(engine, prompt: list[int], output: list[int]) -> torch.Tensor:

@@ -27,7 +27,7 @@ COMMON_WORDS = {"the", "a", "and", "was", "of", "to", "in", "he", "she", "his", 
 @pytest.fixture(scope="module")
 def smollm2():
     # float32: token-for-token comparisons are exact in float32 (bfloat16 may differ at ~2% of steps).
-    return load(PACKAGED, dtype="float32", device="cpu")
+    return load(PACKAGED, dtype="float32", device="cpu", cache_dir=Settings().cache_dir)
 
 
 def _chat_job(loaded, job_id: str, request: str, max_tokens: int) -> Job:
@@ -154,7 +154,7 @@ def test_the_continuous_engine_writes_what_the_static_one_writes_for_a_crowd(smo
 
 def test_the_gguf_read_straight_runs_like_transformers_load(smollm2):
     """The fast path (GGUF blocks read by our reader, no transformers model) writes the same text."""
-    direct = load(PACKAGED, dtype="float32", device="cpu", transformers_model=False)
+    direct = load(PACKAGED, dtype="float32", device="cpu", transformers_model=False, cache_dir=Settings().cache_dir)
     assert direct.model is None and direct.eos_ids == smollm2.eos_ids
     job = _chat_job(smollm2, "d", "Tell a short story about a knight.", 30)
     engine = continuous.build(direct, EXACT, direct.weights(), direct.config)
