@@ -70,6 +70,15 @@ def smollm2_tokenizer():
     return _tokenizer(packaged_model_dir(), {"gguf_file": PACKAGED_FILE}, Settings().cache_dir)
 
 
+@pytest.fixture(scope="session")
+def smollm2_dense():
+    """The packaged SmolLM2 through transformers' dequantizing loader in float32, its model's weights
+    dense, as a local Hugging Face directory would give them: loaded once a run (~17-20 s)."""
+    from shared.settings import Settings
+    from worker.model_loader import PACKAGED, load
+    return load(PACKAGED, dtype="float32", device="cpu", cache_dir=Settings().cache_dir)
+
+
 @pytest.fixture
 def fake_redis():
     return fakeredis.FakeRedis()

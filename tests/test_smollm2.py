@@ -25,9 +25,9 @@ COMMON_WORDS = {"the", "a", "and", "was", "of", "to", "in", "he", "she", "his", 
 
 
 @pytest.fixture(scope="module")
-def smollm2():
+def smollm2(smollm2_dense):
     # float32: token-for-token comparisons are exact in float32 (bfloat16 may differ at ~2% of steps).
-    return load(PACKAGED, dtype="float32", device="cpu", cache_dir=Settings().cache_dir)
+    return smollm2_dense
 
 
 def _chat_job(loaded, job_id: str, request: str, max_tokens: int) -> Job:
