@@ -229,6 +229,30 @@ def test_a_stack_of_types_is_its_parts_side_by_side(tensors, kernel):
     assert torch.equal(layer.for_kernel()(x), expected)
 
 
+def test_a_k_quant_stack_is_one_call_with_its_parts_bits(tensors, kernel):
+    """A stack of K-quant parts (a Q4_K_M layer's Q4_K queries and keys beside Q6_K values) takes a
+    step of a few rows in one call, its parts' panels in one parallel region (kquant_stack), and a
+    larger step a product a part: either way each part's outputs are its own product's bits, in
+    Python and in the decoder's C++ Linear alike."""
+    parts = [tensors["Q4_K"], tensors["Q6_K"], tensors["Q4_K"]]
+    cols = parts[0].shape[1]
+    layer = Linear(fuse(parts), None, torch.bfloat16, torch.device("cpu"), EVERY_STEP, kernel)
+    alone = [Linear(p, None, torch.bfloat16, torch.device("cpu"), EVERY_STEP, kernel) for p in fuse(parts)]
+    assert len(alone) == 3 and layer.paths == {p.path for p in alone} and len(layer.paths) == 1, layer.paths
+    few = kernel.kquant_stack_rows()
+    assert few in (4, 8), few
+    g = torch.Generator().manual_seed(5)
+    for rows in list(range(1, few + 2)) + [64]:
+        x = torch.randn(rows, cols, generator=g).bfloat16()
+        expected = torch.cat([p(x) for p in alone], dim=1)
+        assert torch.equal(layer(x), expected), rows
+        assert torch.equal(layer.for_kernel()(x), expected), rows
+        assert torch.equal(kernel.kquant_stack(x.float(), [p.packed for p in alone], [p.code for p in alone]),
+                           torch.cat([p(x.float()) for p in alone], dim=1)), rows
+    with pytest.raises(RuntimeError, match="as many types as weights"):
+        kernel.kquant_stack(x, [alone[0].packed], [alone[0].code, alone[1].code])
+
+
 def test_fetching_the_next_product_ahead_changes_no_bits(tensors, kernel):
     """A product's threads with no piece left fetch the next product's first bytes (rowwise.h's
     upcoming hint, set by a stack for its next part and by the decoder for its next layer), and a

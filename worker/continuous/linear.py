@@ -145,7 +145,10 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.parts:
-            out = torch.cat([part(x) for part in self.parts], dim=1)
+            if all(part.small in KQUANT_PATHS and x.shape[0] <= part.small_rows for part in self.parts):
+                out = self.kernel.kquant_stack(x, [part.packed for part in self.parts], [part.code for part in self.parts])
+            else:
+                out = torch.cat([part(x) for part in self.parts], dim=1)
             return out if self.bias is None else out + self.bias
         if x.shape[0] <= self.small_rows:
             if self.small == "int4":

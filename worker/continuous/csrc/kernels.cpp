@@ -82,6 +82,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("w"), py::arg("type"), py::arg("K"), py::arg("ids"), py::call_guard<py::gil_scoped_release>());
   m.def("kquant_linear", &kquant_linear, "x @ w.T for a K-quant, Q5_0 or Q5_1 weight packed in panels, x rounded to 8 bits per group of 32",
         py::arg("x"), py::arg("w"), py::arg("type"), py::call_guard<py::gil_scoped_release>());
+  m.def("kquant_stack", &kquant_stack, "a stack's K-quant parts side by side, each as kquant_linear makes it; a step of a few "
+        "rows in one parallel region", py::arg("x"), py::arg("ws"), py::arg("types"), py::call_guard<py::gil_scoped_release>());
+  m.def("kquant_stack_rows", &kquant_stack_rows, "the most rows of a step kquant_stack runs in one parallel region");
   m.def("kquant_tiles", &kquant_tiles, "whether K-quant steps of many rows take AMX tiles (same bits); enable: turn them on or off; "
         "rows: whether a step of that many rows takes them", py::arg("enable") = py::none(), py::arg("rows") = py::none());
   m.def("kquant_few_rows_fetch", &kquant_few_rows_fetch, "whether a K-quant pass of 1-4 rows prefetches its weights further ahead "

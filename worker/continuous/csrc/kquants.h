@@ -54,6 +54,7 @@
 #include <cstring>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace storyteller {
 namespace kquants {
@@ -475,6 +476,50 @@ static constexpr auto pair_tiles(std::index_sequence<R...>) {
 namespace storyteller {
 namespace kquants {
 
+// One weight of a step of a few rows: its panels (bytes each), its outputs' first column in y, and
+// its type's passes of 1..ROWS rows (row_tiles). A product is one part; a stack of weights of
+// different types side by side (a layer's q, k and v, weights.fuse) is one part each.
+struct Part {
+  using Rows = void (*)(const Activations&, int64_t, const uint8_t*, float*);
+  const uint8_t* w;
+  int64_t panels, panel_bytes, column;
+  const Rows* by_rows;
+  template <int T>
+  static Part of(const uint8_t* w, int64_t N, int64_t column, int64_t G) {
+    static constexpr auto by_rows = row_tiles<T>(std::make_index_sequence<ROWS>());
+    return {w, N / LANES, Format<T>::bytes(G), column, by_rows.data()};
+  }
+};
+
+// y's rows (`stride` apart) = the step's rounded x (a, up to ROWS rows) times each part's weight,
+// every panel of every part straight from its bytes, the threads taking them in pieces in one
+// parallel region: a stack of parts costs one region and one ramp of the reads, not one a part
+// (on a Xeon, a lone row's q/k/v of Q4_K and Q6_K read 19 GB/s as two products where q/k/v all of
+// Q4_K read 23). Each panel's outputs are made as a product of its part alone makes them.
+#ifdef STORYTELLER_KQUANTS_AMX
+static_assert(TILE_MIN_ROWS > ROWS, "a step of up to ROWS rows takes few_rows, never the tiles");
+#endif
+#ifdef STORYTELLER_KQUANTS_COLUMNS
+static_assert(COLUMN_ROWS > ROWS, "a step of up to ROWS rows takes few_rows, never the columns");
+#endif
+template <typename X>
+static void few_rows(const Activations& a, const Part* parts, int64_t n_parts, X* y, int64_t stride) {
+  TORCH_INTERNAL_ASSERT(a.rows <= ROWS, "few_rows: a step of up to ROWS rows");
+  int64_t panels = 0;
+  for (int64_t i = 0; i < n_parts; ++i) panels += parts[i].panels;
+  const int64_t grain = std::max<int64_t>(1, MIN_WORK / (LANES * a.K * a.rows));
+  in_pieces(0, panels, grain, [&](int64_t begin, int64_t end) {
+    alignas(64) float out[ROWS * LANES];
+    const Part* part = parts;
+    int64_t first = 0;  // the index of part's first panel
+    for (int64_t p = begin; p < end; ++p) {
+      while (p >= first + part->panels) first += (part++)->panels;
+      part->by_rows[a.rows - 1](a, 0, part->w + (p - first) * part->panel_bytes, out);
+      for (int64_t r = 0; r < a.rows; ++r) store16(out + r * LANES, y + r * stride + part->column + (p - first) * LANES);
+    }
+  });
+}
+
 #ifdef STORYTELLER_KQUANTS_AMX
 constexpr int64_t FETCH_TILE_ROWS = 128;  // the most rows whose tile passes fetch the next panel
 // A step the tiles pay for (kquants_amx.h's tiles_pay) on them: each panel made ready once, as the
@@ -541,17 +586,8 @@ static void linear(const X* x, int64_t rows, int64_t K, const uint8_t* w, X* y, 
     for (int64_t r = 0; r < n; ++r) store16(out + r * LANES, y + (r0 + r) * N + p * LANES);  // rowwise.h
   };
   if (rows <= ROWS) {
-    const int64_t grain = std::max<int64_t>(1, MIN_WORK / (LANES * K * rows));
-    in_pieces(0, panels, grain, [&](int64_t begin, int64_t end) {
-      alignas(64) float out[ROWS * LANES];
-      for (int64_t p = begin; p < end; ++p)
-        for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
-          const int64_t n = std::min<int64_t>(ROWS, rows - r0);
-          by_rows[n - 1](a, r0, w + p * panel_bytes, out);
-          write(out, r0, n, p);
-        }
-    });
-    return;
+    const Part part = Part::of<T>(w, N, 0, a.G);
+    return few_rows(a, &part, 1, y, N);
   }
   const int64_t grain = std::max<int64_t>(1, MIN_WORK / (2 * LANES * K * rows));
   const bool direct = rows <= DIRECT_ROWS, fetch = (direct || FETCH_UNPACKED) && fetch_ahead(c10::nullopt);
@@ -616,6 +652,30 @@ static inline int64_t panel_bytes(int64_t type, int64_t G) {
     case Q5_1: return Format<Q5_1>::bytes(G);
     default: return -1;
   }
+}
+
+// Whether a type's activations are rounded with the row's step (Format::row_step), by its code.
+static inline bool row_step(int64_t type) { return type != Q5_0 && type != Q5_1; }
+
+static inline Part part_of(int64_t type, const uint8_t* w, int64_t N, int64_t column, int64_t G) {
+  switch (type) {
+    case Q4_K: return Part::of<Q4_K>(w, N, column, G);
+    case Q5_K: return Part::of<Q5_K>(w, N, column, G);
+    case Q6_K: return Part::of<Q6_K>(w, N, column, G);
+    case Q5_0: return Part::of<Q5_0>(w, N, column, G);
+    case Q5_1: return Part::of<Q5_1>(w, N, column, G);
+    default: TORCH_CHECK(false, "kquant_stack: unknown type code ", type);
+  }
+}
+
+// A stack's step of up to ROWS rows, every part's activations rounded alike (row_step): x rounded
+// once, then few_rows over all the parts, into y [rows, N] (N: the parts' outputs together).
+template <typename X>
+static void stack_rows(const X* x, int64_t rows, int64_t K, bool row_step, const std::vector<Part>& parts, X* y, int64_t N) {
+  thread_local Activations kept;  // as linear's: the caller's thread quantizes, the threads read it
+  Activations& a = kept;
+  a.fill(x, rows, K, row_step);
+  few_rows(a, parts.data(), static_cast<int64_t>(parts.size()), y, N);
 }
 
 // Output features ids of the packed weight as float32 rows [n, K] (an embedding lookup in a tied

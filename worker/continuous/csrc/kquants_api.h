@@ -7,6 +7,8 @@
 
 #include <torch/types.h>
 
+#include <vector>
+
 #include "lanes.h"  // STORYTELLER_KQUANTS: whether this CPU's build has them
 
 #ifdef STORYTELLER_KQUANTS
@@ -15,6 +17,12 @@ namespace storyteller {
 // x: [rows, K] float32 or bfloat16; w: [N / 16, panel bytes] uint8 packed by kquants.py for `type`
 // (kquants::Type). Returns [rows, N] in x's type.
 torch::Tensor kquant_linear(const torch::Tensor& x_in, const torch::Tensor& w, int64_t type);
+
+// A stack's parts side by side: [rows, sum of N] = x times each ws[i] (packed for types[i]), as
+// kquant_linear makes each part's outputs. A step of a few rows runs every part in one parallel region.
+torch::Tensor kquant_stack(const torch::Tensor& x_in, const std::vector<torch::Tensor>& ws, const std::vector<int64_t>& types);
+// The most rows of a step kquant_stack runs in one parallel region (more: a product a part).
+int64_t kquant_stack_rows();
 
 // Rows `ids` of the weight w ([N / 16, panel bytes], packed for `type`, K inputs) as float32
 // [len(ids), K]: a tied head's panels looked up as the embedding table.

@@ -121,7 +121,29 @@ struct Linear {
     expect(bytes.first, bytes.second);
   }
 
+  // Whether every part of a stack is a K-quant that takes a step of `rows` rows, a step of a few:
+  // then the stack is one call, in one parallel region (kquant_stack). A larger step's parts fetch
+  // each other's bytes ahead (operator() below), which the one region does not need.
+  bool kquant_stack_takes(int64_t rows) const {
+#ifdef STORYTELLER_KQUANTS
+    bool all = !parts.empty() && rows <= kquant_stack_rows();
+#else
+    bool all = false;
+#endif
+    for (const Linear& part : parts)
+      all &= (part.path == Path::kquants_vnni || part.path == Path::kquants_avx2) && rows <= part.small_rows;
+    return all;
+  }
+
   torch::Tensor operator()(const torch::Tensor& x) const {
+#ifdef STORYTELLER_KQUANTS
+    if (kquant_stack_takes(x.size(0))) {
+      std::vector<torch::Tensor> ws;
+      std::vector<int64_t> types;
+      for (const Linear& part : parts) ws.push_back(*part.a), types.push_back(part.code);
+      return kquant_stack(x, ws, types);
+    }
+#endif
     if (!parts.empty()) {  // each part's threads fetch the next part's bytes, the last part's what follows
       const Upcoming& u = upcoming();
       const uint8_t* after = u.at.load();
