@@ -495,7 +495,8 @@ struct Part {
 // every panel of every part straight from its bytes, the threads taking them in pieces in one
 // parallel region: a stack of parts costs one region and one ramp of the reads, not one a part
 // (on a Xeon, a lone row's q/k/v of Q4_K and Q6_K read 19 GB/s as two products where q/k/v all of
-// Q4_K read 23). Each panel's outputs are made as a product of its part alone makes them.
+// Q4_K read 23; in one region, steps of 1-4 rows 1.00-1.04x faster: docs/serving.md, "The Xeon at
+// night"). Each panel's outputs are made as a product of its part alone makes them.
 #ifdef STORYTELLER_KQUANTS_AMX
 static_assert(TILE_MIN_ROWS > ROWS, "a step of up to ROWS rows takes few_rows, never the tiles");
 #endif
