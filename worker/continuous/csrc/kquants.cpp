@@ -6,8 +6,8 @@
 #ifdef STORYTELLER_KQUANTS
 namespace storyteller {
 
-// x_in and a packed weight checked against each other; x as the kernels read it (bf16 or float32).
-static torch::Tensor checked(const torch::Tensor& x_in, const torch::Tensor& w, int64_t type) {
+// x_in and a packed weight checked against each other.
+static void check(const torch::Tensor& x_in, const torch::Tensor& w, int64_t type) {
   const int64_t block = kquants::row_step(type) ? 256 : kquants::GROUP;
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) % block == 0,
               "kquant_linear: x [rows, K], K a multiple of 256 (Q5_0, Q5_1: of 32)");
@@ -15,20 +15,26 @@ static torch::Tensor checked(const torch::Tensor& x_in, const torch::Tensor& w, 
   TORCH_CHECK(expected > 0, "kquant_linear: unknown type code ", type);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.size(1) == expected,
               "kquant_linear: w must be [N / 16, ", expected, "] uint8 for this type and K");
-  return x_in.scalar_type() == torch::kBFloat16 ? x_in.contiguous() : x_in.to(torch::kFloat32).contiguous();
+}
+
+// y [rows, N] in x_in's type, made by run(x, y) on the pointers of x as the kernels read it (bf16 or
+// float32) and of y in that type.
+template <typename Run>
+static torch::Tensor into_y(const torch::Tensor& x_in, int64_t N, const Run& run) {
+  const torch::Tensor x = x_in.scalar_type() == torch::kBFloat16 ? x_in.contiguous() : x_in.to(torch::kFloat32).contiguous();
+  auto y = torch::empty({x.size(0), N}, x.options());
+  if (x.size(0) == 0) return y.to(x_in.scalar_type());
+  if (x.scalar_type() == torch::kBFloat16)
+    run(x.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>());
+  else
+    run(x.data_ptr<float>(), y.data_ptr<float>());
+  return y.to(x_in.scalar_type());
 }
 
 torch::Tensor kquant_linear(const torch::Tensor& x_in, const torch::Tensor& w, int64_t type) {
-  const torch::Tensor x = checked(x_in, w, type);
-  const int64_t K = x.size(1);
-  const int64_t rows = x.size(0), N = w.size(0) * kquants::LANES;
-  auto y = torch::empty({rows, N}, x.options());
-  if (rows == 0) return y.to(x_in.scalar_type());
-  if (x.scalar_type() == torch::kBFloat16)
-    kquants::dispatch(type, x.data_ptr<c10::BFloat16>(), rows, K, w.data_ptr<uint8_t>(), y.data_ptr<c10::BFloat16>(), N);
-  else
-    kquants::dispatch(type, x.data_ptr<float>(), rows, K, w.data_ptr<uint8_t>(), y.data_ptr<float>(), N);
-  return y.to(x_in.scalar_type());
+  check(x_in, w, type);
+  const int64_t rows = x_in.size(0), K = x_in.size(1), N = w.size(0) * kquants::LANES;
+  return into_y(x_in, N, [&](const auto* x, auto* y) { kquants::dispatch(type, x, rows, K, w.data_ptr<uint8_t>(), y, N); });
 }
 
 torch::Tensor kquant_stack(const torch::Tensor& x_in, const std::vector<torch::Tensor>& ws,
@@ -41,22 +47,15 @@ torch::Tensor kquant_stack(const torch::Tensor& x_in, const std::vector<torch::T
     for (size_t i = 0; i < ws.size(); ++i) outs.push_back(kquant_linear(x_in, ws[i], types[i]));
     return at::cat(outs, 1);
   }
-  torch::Tensor x;
+  const int64_t rows = x_in.size(0), K = x_in.size(1);
   std::vector<kquants::Part> parts;
   int64_t N = 0;
   for (size_t i = 0; i < ws.size(); ++i) {
-    x = checked(x_in, ws[i], types[i]);
-    parts.push_back(kquants::part_of(types[i], ws[i].data_ptr<uint8_t>(), ws[i].size(0) * kquants::LANES, N, x.size(1) / kquants::GROUP));
+    check(x_in, ws[i], types[i]);
+    parts.push_back(kquants::part_of(types[i], ws[i].data_ptr<uint8_t>(), ws[i].size(0) * kquants::LANES, N, K / kquants::GROUP));
     N += ws[i].size(0) * kquants::LANES;
   }
-  const int64_t rows = x.size(0), K = x.size(1);
-  auto y = torch::empty({rows, N}, x.options());
-  if (rows == 0) return y.to(x_in.scalar_type());
-  if (x.scalar_type() == torch::kBFloat16)
-    kquants::stack_rows(x.data_ptr<c10::BFloat16>(), rows, K, kquants::row_step(types[0]), parts, y.data_ptr<c10::BFloat16>(), N);
-  else
-    kquants::stack_rows(x.data_ptr<float>(), rows, K, kquants::row_step(types[0]), parts, y.data_ptr<float>(), N);
-  return y.to(x_in.scalar_type());
+  return into_y(x_in, N, [&](const auto* x, auto* y) { kquants::stack_rows(x, rows, K, kquants::row_step(types[0]), parts, y, N); });
 }
 
 int64_t kquant_stack_rows() { return kquants::ROWS; }
