@@ -10,7 +10,8 @@ same on the packaged file requantized by llama.cpp's quantizer to what users dow
 Q5_K_M, Q8_0, Q4_0: the K-quant, Q5_0 and Q5_1 tensors on csrc/kquants.h, Q4_0 read as Q4_1 and
 Q8_0 on the VNNI panels): each says "+invariant" and its crowd, with preemption, writes what each
 request writes alone; and on the Q4_K_M file again with the kernels built for AVX2 alone
-(--kernel-isa avx2), as a worker on a CPU without AVX-512 runs it.
+(--kernel-isa avx2), as a worker on a CPU without AVX-512 runs it (on such a CPU that is the native
+build, so the crowd runs once).
 """
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def alone(smollm2):
     return _alone(smollm2)
 
 
-@pytest.fixture(scope="module", params=[(t, "native") for t in SMOLLM2_TYPES] + [("Q4_K_M", "avx2")],
+@pytest.fixture(scope="module", params=[(t, "native") for t in SMOLLM2_TYPES] + [("Q4_K_M", isa) for isa in kernels.distinct_isas()[1:]],
                 ids=lambda p: p[0] if p[1] == "native" else "-".join(p))
 def requantized(request, smollm2_gguf):
     """(the packaged SmolLM2 requantized to the param's type by llama-quantize, loaded as the worker

@@ -101,6 +101,29 @@ def test_without_a_compiler_the_cpu_s_flags_stand_for_the_target(monkeypatch):
     assert _key() != base
 
 
+@pytest.mark.parametrize("target, distinct", [
+    (" /usr/lib/gcc/cc1plus -march=znver3 -mavx2 -mno-avx512f -mfma", ("native",)),
+    (" /usr/lib/gcc/cc1plus -march=cooperlake -mavx2 -mavx512f -mfma", ("native", "avx2")),
+    ("fpu sse avx avx2 fma", ("native",)),  # no compiler: the CPU's flags
+    ("fpu sse avx avx2 fma avx512f avx512bw", ("native", "avx2"))])
+def test_the_avx2_build_is_the_native_one_where_the_cpu_has_no_avx512(monkeypatch, target, distinct):
+    """-mno-avx512f changes nothing where -march=native never turned AVX-512 on: there "avx2" is the
+    native build (one build, one fingerprint), and the tests that run every build run it once."""
+    monkeypatch.setattr(kernels, "native_target", lambda: target)
+    kernels.has_avx512.cache_clear()
+    try:
+        assert kernels.distinct_isas() == distinct
+        assert kernels.resolved("avx2") == distinct[-1] and kernels.resolved("native") == "native"
+        with pytest.raises(ValueError, match="unknown kernel ISA 'avx512'"):
+            kernels.resolved("avx512")
+    finally:
+        kernels.has_avx512.cache_clear()
+
+
+def test_here_the_avx2_build_id_is_the_native_one_exactly_when_there_is_no_avx512():
+    assert (kernels.build_id("avx2") == kernels.build_id()) == (not kernels.has_avx512())
+
+
 def test_another_checkout_of_the_same_sources_builds_in_a_directory_of_its_own(tmp_path, monkeypatch):
     here = kernels.cache_key()
     copy = tmp_path / "checkout" / "csrc"

@@ -91,11 +91,37 @@ def _clear_stale_lock(build_dir: str) -> None:
             pass
 
 
-@lru_cache(maxsize=None)
 def build(cache_dir: str = "", isa: str = "native") -> Optional[object]:
     """The compiled module (`.paged_decode`, `.Decoder`, `.PATHS`, ...), or None where it cannot be
     built. `cache_dir` holds one directory per build key; "" builds in torch's own default place.
-    `isa`: a key of ISAS."""
+    `isa`: a key of ISAS (one that is the native build here, `distinct_isas`, gives the native one)."""
+    return _build(cache_dir, resolved(isa))
+
+
+def distinct_isas() -> tuple:
+    """The ISAS whose builds differ here: both where the CPU has AVX-512, only "native" where it has
+    not, since there "avx2" turns off what -march=native never turned on (the same code, built
+    twice). Tests that run every build run these."""
+    return tuple(ISAS) if has_avx512() else ("native",)
+
+
+def resolved(isa: str) -> str:
+    """`isa`, or "native" where its build is the native one (`distinct_isas`)."""
+    if isa not in ISAS:
+        raise ValueError(f"unknown kernel ISA {isa!r}: expected one of {', '.join(ISAS)}")
+    return isa if isa in distinct_isas() else "native"
+
+
+@lru_cache(maxsize=None)
+def has_avx512() -> bool:
+    """Whether -march=native turns AVX-512 on here (the compiler's own expansion of it, else the
+    CPU's flags)."""
+    target = native_target().split()
+    return "-mavx512f" in target or "avx512f" in target
+
+
+@lru_cache(maxsize=None)
+def _build(cache_dir: str, isa: str) -> Optional[object]:
     if os.environ.get("STORYTELLER_NO_KERNELS"):
         return None
     try:
@@ -155,7 +181,7 @@ def build_id(isa: str = "native") -> str:
     """What the kernels' bits depend on, short (a hash of `build_inputs`). Part of a worker's
     numerics fingerprint (two workers with the same one compute the same bits for the same row)
     and the first part of the build's directory name."""
-    return digest(build_inputs(isa))
+    return digest(build_inputs(resolved(isa)))
 
 
 def cache_key(isa: str = "native") -> str:
