@@ -22,7 +22,7 @@ from api.errors import ApiError, unavailable
 from api.openapi import document
 from api.tokenizers import TokenizerCache
 from shared.protocol import WorkerInfo
-from shared.redis_client import connect, explain, is_cluster, is_sentinel
+from shared.redis_client import connect, is_cluster, is_sentinel, unavailable_because
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ def create_app(settings: Optional[Settings] = None, client: Optional[redis.Redis
     @app.errorhandler(redis.RedisError)
     @app.errorhandler(RedisClusterException)  # a cluster's own (a pipeline's: no node holds a slot)
     def redis_down(exc):
-        return unavailable(f"the job queue (Redis) is not reachable: {explain(exc)}").response()
+        return unavailable(unavailable_because(exc)).response()
 
     @app.errorhandler(LookupError)
     def tokenizer_missing(exc):
@@ -103,8 +103,12 @@ def create_app(settings: Optional[Settings] = None, client: Optional[redis.Redis
     return app
 
 
-# How long a Redis command waits for one of the process's connections when all are in use.
-POOL_WAIT_S = 10
+# How long a Redis command waits for one of the process's connections when all are in use: a burst
+# of thousands on a starved CPU holds them longer than Redis takes (2,000 players arriving at once on
+# 2 busy cores waited past 10 s, tests/test_many_streams.py), and a request would rather wait than
+# get a 503 from a Redis that is up. Redis down fails each connection in a second (its connect
+# timeout), which frees the pool.
+POOL_WAIT_S = 30
 
 
 def redis_client(settings: Settings) -> redis.Redis:

@@ -17,6 +17,7 @@ from api.errors import ApiError, failure_error, unavailable
 from api.logprobs import StreamState
 from api.openai_format import SSE_DONE, Shape, sse, usage
 from shared.protocol import Failure, Final, TextDelta
+from shared.redis_client import unavailable_because
 
 
 def response(pending: Pending, shape: Shape, include_usage: bool, prompt_tokens: int,
@@ -93,7 +94,7 @@ def events(pending: Pending, shape: Shape, include_usage: bool, prompt_tokens: i
     except ApiError as exc:
         yield sse(counted.failed(exc).body())
     except redis.RedisError as exc:
-        yield sse(counted.failed(unavailable(f"the job queue (Redis) is not reachable: {exc}")).body())
+        yield sse(counted.failed(unavailable(unavailable_because(exc))).body())
     finally:  # also when the client went away: its jobs are cancelled
         pending.close()
 

@@ -264,3 +264,17 @@ def explain(exc: redis.RedisError) -> str:
     if isinstance(exc, redis.AuthenticationError):
         return f"{exc} (check the password: REDIS_URL carries it as redis://:PASSWORD@host:port/0)"
     return str(exc)
+
+
+# What redis-py's BlockingConnectionPool raises when its wait for a free connection runs out.
+POOL_RAN_DRY = "No connection available."
+
+
+def unavailable_because(exc: redis.RedisError) -> str:
+    """The 503's message for a Redis error met serving a request: Redis unreachable, or this process's
+    connections all busy past the pool's wait (reachable, but a burst beyond what it takes in)."""
+    if isinstance(exc, redis.ConnectionError) and str(exc) == POOL_RAN_DRY:
+        return ("the job queue (Redis) is busy: every Redis connection of this API process stayed in use "
+                "past its wait (more requests at once than it takes in: raise --redis-connections or run "
+                "more API processes)")
+    return f"the job queue (Redis) is not reachable: {explain(exc)}"

@@ -11,7 +11,7 @@ import redis
 
 import api.__main__
 from serve import ensure_redis
-from shared.redis_client import connect, explain, masked
+from shared.redis_client import connect, explain, masked, unavailable_because
 from shared.settings import Settings
 from tests.processes import RedisServer, free_port, get_json, logs, make_client, start, stop, wait_until
 
@@ -49,6 +49,25 @@ def test_a_refused_password_is_explained_without_it():
     text = explain(redis.AuthenticationError("invalid username-password pair"))
     assert "REDIS_URL" in text and "redis://:PASSWORD@" in text
     assert explain(redis.ConnectionError("Connection refused")) == "Connection refused"
+
+
+def test_a_pool_that_stayed_busy_is_told_apart_from_redis_down(real_redis, tmp_path):
+    """Past its bound an API process's request waits for a free connection (redis-py's
+    BlockingConnectionPool); when that wait runs out Redis is up and the process saturated, and the
+    503 says so. Redis down is still "not reachable"."""
+    pool = redis.BlockingConnectionPool(max_connections=1, timeout=0.2, **real_redis.connection_pool.connection_kwargs)
+    held = pool.get_connection()
+    try:
+        with pytest.raises(redis.ConnectionError) as busy:
+            redis.Redis(connection_pool=pool).ping()
+    finally:
+        pool.release(held)
+        pool.disconnect()
+    assert unavailable_because(busy.value).startswith("the job queue (Redis) is busy: every Redis connection")
+    down = redis.Redis(port=free_port(), socket_connect_timeout=1)
+    with pytest.raises(redis.ConnectionError) as refused:
+        down.ping()
+    assert unavailable_because(refused.value).startswith("the job queue (Redis) is not reachable: ")
 
 
 # serve.py's ensure_redis
