@@ -128,7 +128,8 @@ class Settings:
                                          "product; not batch-invariant)")
     kernel_isa: str = _setting("native", "the instruction sets the C++ kernels are built for: native "
                                          "(all this CPU has) | avx2 (AVX2 only, as on a CPU without "
-                                         "AVX-512: what such a worker writes, checked here)")
+                                         "AVX-512: what such a worker writes, checked here; on such "
+                                         "a CPU, the native build)")
     huge_pages: bool = _setting(True, "keep the weights the kernels read at every step in memory asked "
                                       "to be 2 MiB pages (Linux's transparent huge pages): a step streams "
                                       "them with fewer page walks; the same bits")
