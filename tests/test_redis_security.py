@@ -51,7 +51,7 @@ def test_a_refused_password_is_explained_without_it():
     assert explain(redis.ConnectionError("Connection refused")) == "Connection refused"
 
 
-def test_a_pool_that_stayed_busy_is_told_apart_from_redis_down(real_redis, tmp_path):
+def test_a_pool_that_stayed_busy_is_told_apart_from_redis_down(real_redis):
     """Past its bound an API process's request waits for a free connection (redis-py's
     BlockingConnectionPool); when that wait runs out Redis is up and the process saturated, and the
     503 says so. Redis down is still "not reachable"."""
